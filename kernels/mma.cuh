@@ -1,0 +1,50 @@
+// Tensor-core helpers for mma.sync.m16n8k16 with fp32 accumulation, one struct per input dtype.
+//
+// Fragment layout (PTX ISA, "mma.m16n8k16"): lane l = 4*g + t holds accumulator rows g and g+8,
+// columns 2t and 2t+1 of the 16x8 tile: c[0], c[1] on row g and c[2], c[3] on row g+8.
+// A (16x16, row-major) and B (16x8, "col" = k-contiguous) come from ldmatrix as four/two b32
+// registers, each two packed 16-bit values.
+#pragma once
+#include "ptx.cuh"
+
+namespace omni {
+
+struct Fp16 {
+  // Two floats -> one register of two fp16, `lo` in the low half (column 2t), round to nearest.
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ float to_float(u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+  }
+  // d += a * b
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+struct Bf16 {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(static_cast<u32>(x) << 16); }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+}  // namespace omni

@@ -1,0 +1,65 @@
+// PTX wrappers shared by every omnicupy kernel: async copies, ldmatrix, smem addressing, ex2.
+// Plain CUDA with no CUDA headers, so NVRTC needs no include path beyond this folder.
+#pragma once
+
+namespace omni {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+// 16 bytes, for vectorised shared <-> global copies.
+struct __align__(16) Vec16 {
+  u32 x, y, z, w;
+};
+
+// Generic pointer -> 32-bit shared-state-space address, as cp.async and ldmatrix want it.
+__device__ __forceinline__ u32 smem_u32(const void* ptr) {
+  u32 addr;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(ptr));
+  return addr;
+}
+
+// ---- cp.async (sm_80+): global -> shared, 16 bytes, bypassing L1 --------------------------
+// When `valid` is false the source size is 0: nothing is read and the 16 bytes are zero-filled,
+// which is how tails past the end of a sequence become zeros in shared memory.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- ldmatrix: four 8x8 b16 matrices; lane l supplies the row address of matrix l/8 ----------
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---- fast math ---------------------------------------------------------------------------
+// 2^x with ex2.approx (flushes denormals; ex2(-inf) = +0, which the masked softmax relies on).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+__device__ __forceinline__ u32 shfl_xor(u32 v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+}  // namespace omni

@@ -1,0 +1,295 @@
+"""attention(): check arguments, pick the variant, launch on the current CuPy stream.
+
+Every check runs before any launch and raises an ArgumentError (or MaskError) naming the argument.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import arrays, jit, tiles
+from .block_mask import BlockMask, DeviceMetadata
+from .errors import ArgumentError, MaskError, NoGPUError
+
+MAX_GRID_YZ = 65535  # heads ride on grid.y, batch on grid.z
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    q: Any
+    k: Any
+    v: Any
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+
+def _require_gpu() -> None:
+    if arrays.cupy_module() is None:
+        raise NoGPUError("omnicupy needs CuPy: pip install 'omnicupy[cuda12]' or 'omnicupy[cuda13]'")
+    if not arrays.gpu_available():
+        raise NoGPUError("omnicupy.attention needs an NVIDIA GPU and driver; none is usable on this machine")
+
+
+def _dtype_name(x: Any, name: str) -> str:
+    dt = np.dtype(x.dtype)
+    if dt not in arrays.DTYPE_NAMES:
+        raise ArgumentError(f"{name} must be float16 or bfloat16 (ml_dtypes.bfloat16), got dtype {dt}")
+    return arrays.DTYPE_NAMES[dt]
+
+
+def _check_device(x: Any, name: str) -> None:
+    cp = arrays.cupy_module()
+    current = cp.cuda.runtime.getDevice()
+    if x.device.id != current:
+        raise ArgumentError(f"{name} is on CUDA device {x.device.id} but the current device is {current}")
+
+
+def _aligned(x: Any) -> bool:
+    """16-byte loads need a 16-byte aligned base and row strides that are multiples of 8 elements."""
+    item = x.itemsize
+    return x.data.ptr % 16 == 0 and all((s // item) % 8 == 0 for s in x.strides[:-1])
+
+
+def _as_device_input(x: Any, name: str):
+    if x is None:
+        raise ArgumentError(f"{name} is required")
+    if not (arrays.is_numpy(x) or arrays.is_cupy(x) or hasattr(x, "__dlpack__")
+            or hasattr(x, "__cuda_array_interface__")):
+        raise ArgumentError(f"{name} must be a NumPy/CuPy array or a DLPack / CUDA-array-interface object, "
+                            f"got {type(x).__name__}")
+    if getattr(x, "ndim", 4) != 4:
+        raise ArgumentError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(x.shape)}")
+    if hasattr(x, "dtype") and arrays.is_numpy(x):
+        _dtype_name(x, name)  # fail before copying to the device
+    d = arrays.to_cupy(x, name)
+    if d.ndim != 4:
+        raise ArgumentError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(d.shape)}")
+    _dtype_name(d, name)
+    _check_device(d, name)
+    if any(s == 0 for s in d.shape):
+        raise ArgumentError(f"{name} has a zero-size dimension: shape {tuple(d.shape)}")
+    if d.shape[3] > 1 and d.strides[3] != d.itemsize:
+        raise ArgumentError(f"{name} must be contiguous in its last dim (head_dim); got strides {d.strides} bytes")
+    if not _aligned(d):
+        d = arrays.cupy_module().ascontiguousarray(d)  # rare: offset views; one copy keeps 16-byte loads legal
+    return d
+
+
+def _check_inputs(q: Any, k: Any, v: Any) -> _Inputs:
+    qd, kd, vd = _as_device_input(q, "q"), _as_device_input(k, "k"), _as_device_input(v, "v")
+    dtypes = {n: _dtype_name(a, n) for n, a in (("q", qd), ("k", kd), ("v", vd))}
+    if len(set(dtypes.values())) != 1:
+        raise ArgumentError(f"q, k and v must share one dtype, got {dtypes}")
+    B, Hq, Nq, D = qd.shape
+    if kd.shape != vd.shape:
+        raise ArgumentError(f"k and v must have the same shape, got k {tuple(kd.shape)} and v {tuple(vd.shape)}")
+    Bk, Hkv, Nkv, Dk = kd.shape
+    if Bk != B:
+        raise ArgumentError(f"k/v batch ({Bk}) must equal q batch ({B})")
+    if Dk != D:
+        raise ArgumentError(f"k/v head_dim ({Dk}) must equal q head_dim ({D})")
+    if D not in jit.SUPPORTED_HEAD_DIMS:
+        raise ArgumentError(f"q: head_dim {D} is not supported (supported: {jit.SUPPORTED_HEAD_DIMS})")
+    if Hq % Hkv:
+        raise ArgumentError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (GQA/MQA)")
+    if Hq > MAX_GRID_YZ or B > MAX_GRID_YZ:
+        raise ArgumentError(f"q: batch ({B}) and heads ({Hq}) must each be <= {MAX_GRID_YZ}")
+    return _Inputs(qd, kd, vd, dtypes["q"], B, Hq, Hkv, Nq, Nkv, D)
+
+
+def _check_scale(scale: Optional[float], head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"scale must be a positive float, got {scale!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ArgumentError(f"scale must be a positive finite float, got {scale!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_mask(causal: bool, q_len: int, kv_len: int) -> BlockMask:
+    return BlockMask.causal(q_len, kv_len) if causal else BlockMask.full(q_len, kv_len)
+
+
+def _resolve_mask(block_mask: Optional[BlockMask], causal: Any, inp: _Inputs) -> BlockMask:
+    if causal not in (False, True):
+        raise ArgumentError(f"causal must be True or False, got {causal!r}")
+    if block_mask is None:
+        return _builtin_mask(bool(causal), inp.q_len, inp.kv_len)
+    if causal:
+        raise ArgumentError("pass either block_mask or causal=True, not both (build a causal BlockMask instead)")
+    if not isinstance(block_mask, BlockMask):
+        raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(block_mask).__name__}")
+    check_mask_matches(block_mask, inp)
+    return block_mask
+
+
+def check_mask_matches(bm: BlockMask, inp: _Inputs) -> None:
+    Bm, Hm, q_len, kv_len = bm.shape
+    if q_len != inp.q_len or kv_len != inp.kv_len:
+        raise MaskError(f"block_mask is for q_len={q_len}, kv_len={kv_len} but q/k have {inp.q_len}, {inp.kv_len}")
+    if Bm not in (1, inp.batch):
+        raise MaskError(f"block_mask batch dim ({Bm}) must be 1 or the batch size ({inp.batch})")
+    if Hm not in (1, inp.heads):
+        raise MaskError(f"block_mask head dim ({Hm}) must be 1 or the number of q heads ({inp.heads})")
+
+
+def _prepare_out(out: Any, inp: _Inputs):
+    """(device buffer the kernel writes, user object to copy into afterwards or None)."""
+    cp = arrays.cupy_module()
+    shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
+    if out is None:
+        return cp.empty(shape, dtype=inp.q.dtype), None
+    if arrays.is_numpy(out):
+        if out.shape != shape or out.dtype != inp.q.dtype:
+            raise ArgumentError(f"out must have shape {shape} and dtype {inp.q.dtype}, got {out.shape} {out.dtype}")
+        return cp.empty(shape, dtype=inp.q.dtype), out
+    od = arrays.to_cupy(out, "out")
+    if tuple(od.shape) != shape or od.dtype != inp.q.dtype:
+        raise ArgumentError(f"out must have shape {shape} and dtype {inp.q.dtype}, got {tuple(od.shape)} {od.dtype}")
+    _check_device(od, "out")
+    if od.strides[3] != od.itemsize:
+        raise ArgumentError(f"out must be contiguous in its last dim; got strides {od.strides} bytes")
+    if not _aligned(od):
+        return cp.empty(shape, dtype=inp.q.dtype), od
+    return od, None
+
+
+def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: float, stages: Optional[int]) -> None:
+    variant = tiles.select_variant(inp.head_dim, inp.dtype, stages, bm.q_block_size, bm.kv_block_size,
+                                   bm.features.causal, bm.features.partial)
+    kernel = jit.get_kernel(variant)
+    Bm, Hm = bm.shape[:2]
+    item = inp.q.itemsize
+
+    def strides(x):
+        return [np.int64(s // item) for s in x.strides[:3]]
+
+    null = np.uint64(0)
+    args = (
+        inp.q, inp.k, inp.v, o, null if lse is None else lse,
+        *strides(inp.q), *strides(inp.k), *strides(inp.v), *strides(o),
+        np.int32(inp.heads), np.int32(inp.q_len), np.int32(inp.kv_len), np.int32(inp.heads // inp.kv_heads),
+        np.float32(scale * math.log2(math.e)),
+        meta.kv_num_blocks, meta.kv_indices, meta.block_mask_types,
+        null if meta.partial_block_mask_indices is None else meta.partial_block_mask_indices,
+        null if meta.partial_block_masks is None else meta.partial_block_masks,
+        np.int32(Hm), np.int32(1 if Bm > 1 else 0), np.int32(1 if Hm > 1 else 0),
+        np.int32(bm.num_q_blocks), np.int32(bm.max_blocks),
+        np.int32(bm.q_block_size), np.int32(bm.kv_block_size),
+    )
+    grid = (bm.q_len // variant.br + (bm.q_len % variant.br > 0), inp.heads, inp.batch)
+    kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    block_mask: Optional[BlockMask] = None,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    stages: Optional[int] = None,
+    out: Any = None,
+):
+    """Exact softmax attention under a block-sparse mask.
+
+    q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` in float16 or bfloat16, last dim contiguous, other
+    strides free. ``block_mask`` (an omnicupy.BlockMask) or ``causal=True`` (``q_idx >= kv_idx``)
+    selects the allowed pairs; neither means full attention. ``scale`` defaults to ``1/sqrt(D)``.
+    ``stages`` picks the kernel pipeline (1: shared K/V buffer, 2: prefetch; None: tuned default).
+
+    NumPy inputs give NumPy outputs; anything else (CuPy, DLPack, CUDA array interface) gives CuPy
+    arrays on the current device, computed on the current stream. Returns ``out`` or, with
+    ``return_lse``, ``(out, lse)`` where lse is float32 ``[B, Hq, Nq]`` (natural log, -inf for rows
+    with no allowed key, whose output is 0).
+    """
+    _require_gpu()
+    host_result = arrays.is_numpy(q)
+    inp = _check_inputs(q, k, v)
+    bm = _resolve_mask(block_mask, causal, inp)
+    scale = _check_scale(scale, inp.head_dim)
+    if stages not in (None, 1, 2):
+        raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
+    o, copy_into = _prepare_out(out, inp)
+    cp = arrays.cupy_module()
+    lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
+    _launch(inp, o, lse, bm, bm.device_metadata(), scale, stages)
+    if copy_into is not None:
+        if arrays.is_numpy(copy_into):
+            copy_into[...] = o.get()
+        else:
+            copy_into[...] = o
+        o = copy_into
+    if host_result:
+        o = o if arrays.is_numpy(o) else o.get()
+        lse = None if lse is None else lse.get()
+    return (o, lse) if return_lse else o
+
+
+def omni_attn_mma_blockmask(
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    kv_num_blocks: Any,
+    kv_indices: Any,
+    block_mask_types: Any,
+    stages: Optional[int] = None,
+    *,
+    partial_block_mask_indices: Any = None,
+    partial_block_masks: Any = None,
+    q_block_size: int = 128,
+    kv_block_size: int = 128,
+    scale: Optional[float] = None,
+    lse: Any = None,
+):
+    """Low-level call on raw metadata (DESIGN.md §1 arrays) and a caller-owned output buffer.
+
+    All arrays are device arrays (CuPy, DLPack or CUDA array interface). The metadata is validated on
+    the device on every call; build a BlockMask once and call ``attention`` to avoid that cost.
+    ``lse``, if given, is a contiguous float32 ``[B, Hq, Nq]`` buffer. Returns ``o``.
+    """
+    _require_gpu()
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
+        if arrays.is_numpy(x):
+            raise ArgumentError(f"{name} must be a device array for the low-level call, got a NumPy array")
+    inp = _check_inputs(q, k, v)
+    cp = arrays.cupy_module()
+    meta_arrays = [kv_num_blocks, kv_indices, block_mask_types, partial_block_mask_indices, partial_block_masks]
+    names = ["kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks"]
+    meta_arrays = [None if a is None else arrays.to_cupy(a, n) for a, n in zip(meta_arrays, names)]
+    bm = BlockMask(*meta_arrays[:3], q_len=inp.q_len, kv_len=inp.kv_len, q_block_size=q_block_size,
+                   kv_block_size=kv_block_size, partial_block_mask_indices=meta_arrays[3],
+                   partial_block_masks=meta_arrays[4])
+    check_mask_matches(bm, inp)
+    od = arrays.to_cupy(o, "o")
+    shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
+    if tuple(od.shape) != shape or od.dtype != inp.q.dtype:
+        raise ArgumentError(f"o must have shape {shape} and dtype {inp.q.dtype}, got {tuple(od.shape)} {od.dtype}")
+    _check_device(od, "o")
+    if od.strides[3] != od.itemsize or not _aligned(od):
+        raise ArgumentError("o must be contiguous in its last dim, 16-byte aligned, with row strides a multiple of 8")
+    lse_d = None
+    if lse is not None:
+        lse_d = arrays.to_cupy(lse, "lse")
+        if tuple(lse_d.shape) != shape[:3] or lse_d.dtype != np.float32 or not lse_d.flags.c_contiguous:
+            raise ArgumentError(f"lse must be a contiguous float32 array of shape {shape[:3]}")
+    if stages not in (None, 1, 2):
+        raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
+    _launch(inp, od, lse_d, bm, bm.device_metadata(), _check_scale(scale, inp.head_dim), stages)
+    return o
