@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -59,40 +59,50 @@ def _aligned(x: Any) -> bool:
     return x.data.ptr % 16 == 0 and all((s // item) % 8 == 0 for s in x.strides[:-1])
 
 
-def _as_device_input(x: Any, name: str):
+def _as_array(x: Any, name: str):
+    """NumPy and CuPy arrays pass through (their checks need no GPU); DLPack and CUDA-array-interface
+    objects become zero-copy CuPy views."""
     if x is None:
         raise ArgumentError(f"{name} is required")
-    if not (arrays.is_numpy(x) or arrays.is_cupy(x) or hasattr(x, "__dlpack__")
-            or hasattr(x, "__cuda_array_interface__")):
-        raise ArgumentError(f"{name} must be a NumPy/CuPy array or a DLPack / CUDA-array-interface object, "
-                            f"got {type(x).__name__}")
-    if getattr(x, "ndim", 4) != 4:
+    if arrays.is_numpy(x) or arrays.is_cupy(x):
+        return x
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        _require_gpu()
+        return arrays.to_cupy(x, name)
+    raise ArgumentError(f"{name} must be a NumPy/CuPy array or a DLPack / CUDA-array-interface object, "
+                        f"got {type(x).__name__}")
+
+
+def _check_layout(x: Any, name: str) -> str:
+    """Shape, dtype and last-dim contiguity of one input; returns its dtype name."""
+    if x.ndim != 4:
         raise ArgumentError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(x.shape)}")
-    if hasattr(x, "dtype") and arrays.is_numpy(x):
-        _dtype_name(x, name)  # fail before copying to the device
+    dtype = _dtype_name(x, name)
+    if any(s == 0 for s in x.shape):
+        raise ArgumentError(f"{name} has a zero-size dimension: shape {tuple(x.shape)}")
+    if x.shape[3] > 1 and x.strides[3] != x.itemsize:
+        raise ArgumentError(f"{name} must be contiguous in its last dim (head_dim); got strides {x.strides} bytes")
+    return dtype
+
+
+def _to_device(x: Any, name: str):
+    """A CuPy array on the current device whose rows allow 16-byte loads (one copy if they don't)."""
     d = arrays.to_cupy(x, name)
-    if d.ndim != 4:
-        raise ArgumentError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(d.shape)}")
-    _dtype_name(d, name)
     _check_device(d, name)
-    if any(s == 0 for s in d.shape):
-        raise ArgumentError(f"{name} has a zero-size dimension: shape {tuple(d.shape)}")
-    if d.shape[3] > 1 and d.strides[3] != d.itemsize:
-        raise ArgumentError(f"{name} must be contiguous in its last dim (head_dim); got strides {d.strides} bytes")
     if not _aligned(d):
         d = arrays.cupy_module().ascontiguousarray(d)  # rare: offset views; one copy keeps 16-byte loads legal
     return d
 
 
 def _check_inputs(q: Any, k: Any, v: Any) -> _Inputs:
-    qd, kd, vd = _as_device_input(q, "q"), _as_device_input(k, "k"), _as_device_input(v, "v")
-    dtypes = {n: _dtype_name(a, n) for n, a in (("q", qd), ("k", kd), ("v", vd))}
+    qa, ka, va = _as_array(q, "q"), _as_array(k, "k"), _as_array(v, "v")
+    dtypes = {n: _check_layout(a, n) for n, a in (("q", qa), ("k", ka), ("v", va))}
     if len(set(dtypes.values())) != 1:
         raise ArgumentError(f"q, k and v must share one dtype, got {dtypes}")
-    B, Hq, Nq, D = qd.shape
-    if kd.shape != vd.shape:
-        raise ArgumentError(f"k and v must have the same shape, got k {tuple(kd.shape)} and v {tuple(vd.shape)}")
-    Bk, Hkv, Nkv, Dk = kd.shape
+    B, Hq, Nq, D = qa.shape
+    if ka.shape != va.shape:
+        raise ArgumentError(f"k and v must have the same shape, got k {tuple(ka.shape)} and v {tuple(va.shape)}")
+    Bk, Hkv, Nkv, Dk = ka.shape
     if Bk != B:
         raise ArgumentError(f"k/v batch ({Bk}) must equal q batch ({B})")
     if Dk != D:
@@ -103,7 +113,11 @@ def _check_inputs(q: Any, k: Any, v: Any) -> _Inputs:
         raise ArgumentError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (GQA/MQA)")
     if Hq > MAX_GRID_YZ or B > MAX_GRID_YZ:
         raise ArgumentError(f"q: batch ({B}) and heads ({Hq}) must each be <= {MAX_GRID_YZ}")
-    return _Inputs(qd, kd, vd, dtypes["q"], B, Hq, Hkv, Nq, Nkv, D)
+    return _Inputs(qa, ka, va, dtypes["q"], B, Hq, Hkv, Nq, Nkv, D)
+
+
+def _on_device(inp: _Inputs) -> _Inputs:
+    return replace(inp, q=_to_device(inp.q, "q"), k=_to_device(inp.k, "k"), v=_to_device(inp.v, "v"))
 
 
 def _check_scale(scale: Optional[float], head_dim: int) -> float:
@@ -146,25 +160,31 @@ def check_mask_matches(bm: BlockMask, inp: _Inputs) -> None:
         raise MaskError(f"block_mask head dim ({Hm}) must be 1 or the number of q heads ({inp.heads})")
 
 
-def _prepare_out(out: Any, inp: _Inputs):
+def _check_out(out: Any, inp: _Inputs):
+    """Shape/dtype/layout checks of a user ``out`` (no GPU needed for NumPy); returns it as an array."""
+    if out is None:
+        return None
+    shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
+    out = _as_array(out, "out")
+    if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(inp.q.dtype):
+        raise ArgumentError(f"out must have shape {shape} and dtype {inp.q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out.strides[3] != out.itemsize:
+        raise ArgumentError(f"out must be contiguous in its last dim; got strides {out.strides} bytes")
+    return out
+
+
+def _device_out(out: Any, inp: _Inputs):
     """(device buffer the kernel writes, user object to copy into afterwards or None)."""
     cp = arrays.cupy_module()
     shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
     if out is None:
         return cp.empty(shape, dtype=inp.q.dtype), None
     if arrays.is_numpy(out):
-        if out.shape != shape or out.dtype != inp.q.dtype:
-            raise ArgumentError(f"out must have shape {shape} and dtype {inp.q.dtype}, got {out.shape} {out.dtype}")
         return cp.empty(shape, dtype=inp.q.dtype), out
-    od = arrays.to_cupy(out, "out")
-    if tuple(od.shape) != shape or od.dtype != inp.q.dtype:
-        raise ArgumentError(f"out must have shape {shape} and dtype {inp.q.dtype}, got {tuple(od.shape)} {od.dtype}")
-    _check_device(od, "out")
-    if od.strides[3] != od.itemsize:
-        raise ArgumentError(f"out must be contiguous in its last dim; got strides {od.strides} bytes")
-    if not _aligned(od):
-        return cp.empty(shape, dtype=inp.q.dtype), od
-    return od, None
+    _check_device(out, "out")
+    if not _aligned(out):
+        return cp.empty(shape, dtype=inp.q.dtype), out
+    return out, None
 
 
 def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: float, stages: Optional[int]) -> None:
@@ -218,14 +238,16 @@ def attention(
     ``return_lse``, ``(out, lse)`` where lse is float32 ``[B, Hq, Nq]`` (natural log, -inf for rows
     with no allowed key, whose output is 0).
     """
-    _require_gpu()
     host_result = arrays.is_numpy(q)
     inp = _check_inputs(q, k, v)
     bm = _resolve_mask(block_mask, causal, inp)
     scale = _check_scale(scale, inp.head_dim)
     if stages not in (None, 1, 2):
         raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
-    o, copy_into = _prepare_out(out, inp)
+    out = _check_out(out, inp)
+    _require_gpu()  # every check above runs without a GPU for NumPy inputs
+    inp = _on_device(inp)
+    o, copy_into = _device_out(out, inp)
     cp = arrays.cupy_module()
     lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
     _launch(inp, o, lse, bm, bm.device_metadata(), scale, stages)
@@ -264,12 +286,11 @@ def omni_attn_mma_blockmask(
     the device on every call; build a BlockMask once and call ``attention`` to avoid that cost.
     ``lse``, if given, is a contiguous float32 ``[B, Hq, Nq]`` buffer. Returns ``o``.
     """
-    _require_gpu()
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
         if arrays.is_numpy(x):
             raise ArgumentError(f"{name} must be a device array for the low-level call, got a NumPy array")
-    inp = _check_inputs(q, k, v)
-    cp = arrays.cupy_module()
+    _require_gpu()
+    inp = _on_device(_check_inputs(q, k, v))
     meta_arrays = [kv_num_blocks, kv_indices, block_mask_types, partial_block_mask_indices, partial_block_masks]
     names = ["kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks"]
     meta_arrays = [None if a is None else arrays.to_cupy(a, n) for a, n in zip(meta_arrays, names)]

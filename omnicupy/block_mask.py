@@ -375,10 +375,12 @@ def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> Mask
     """Value checks on the metadata, run where the arrays live (one small reduction on the device,
     a single transfer of a handful of flags back). Returns which block types occur."""
     xp = arrays.array_namespace(idx)
+    # Plain ints: CuPy's ufuncs do not accept IntEnum operands.
+    causal, partial = int(BlockType.CAUSAL), int(BlockType.PARTIAL)
     maxb = int(idx.shape[3])
     slots = xp.arange(maxb, dtype=np.int32)
     active = slots[None, None, None, :] < nb[..., None]
-    is_partial = active & (types == BlockType.PARTIAL)
+    is_partial = active & (types == partial)
     # Duplicates: give inactive slots distinct out-of-range values, sort each row, compare neighbours.
     keyed = xp.where(active, idx, num_kv_blocks + slots[None, None, None, :])
     dup = xp.any(xp.diff(xp.sort(keyed, axis=-1), axis=-1) == 0) if maxb > 1 else xp.zeros((), dtype=bool)
@@ -387,9 +389,9 @@ def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> Mask
         xp.any(nb < 0),
         xp.any(nb > maxb),
         xp.any(active & ((idx < 0) | (idx >= num_kv_blocks))),
-        xp.any(active & ((types < 0) | (types > BlockType.PARTIAL))),
+        xp.any(active & ((types < 0) | (types > partial))),
         dup,
-        xp.any(active & (types == BlockType.CAUSAL)),
+        xp.any(active & (types == causal)),
         xp.any(is_partial),
         xp.any(is_partial & ((pidx < 0) | (pidx >= npool))) if pidx is not None else xp.zeros((), dtype=bool),
     ]

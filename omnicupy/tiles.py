@@ -5,8 +5,9 @@ a Variant: the tuned tile if it divides the mask's block sizes, else the best fa
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Mapping, Optional
 
 from .errors import ArgumentError
 from .jit.variant import SUPPORTED_HEAD_DIMS, Variant
@@ -23,10 +24,10 @@ class Tile:
 #: see NOTES.md for the measurements behind each entry.
 TUNED: dict[tuple[int, int], Tile] = {
     (32, 1): Tile(128, 64, 4), (32, 2): Tile(128, 64, 4),
-    (64, 1): Tile(128, 64, 4), (64, 2): Tile(128, 64, 4),
+    (64, 1): Tile(64, 128, 4), (64, 2): Tile(64, 128, 4),
     (96, 1): Tile(64, 64, 4), (96, 2): Tile(64, 64, 4),
-    (128, 1): Tile(64, 64, 4), (128, 2): Tile(64, 64, 4),
-    (256, 1): Tile(64, 32, 4), (256, 2): Tile(64, 32, 4),
+    (128, 1): Tile(64, 64, 4), (128, 2): Tile(128, 64, 4),
+    (256, 1): Tile(64, 32, 4), (256, 2): Tile(64, 64, 4),
 }
 
 #: Stage used when the caller does not choose one.
@@ -34,6 +35,18 @@ DEFAULT_STAGES: dict[int, int] = {32: 2, 64: 2, 96: 2, 128: 2, 256: 2}
 
 #: Smaller tiles, most preferred first, for block sizes the tuned tile does not divide.
 FALLBACKS = (Tile(64, 64, 4), Tile(64, 32, 4), Tile(32, 32, 2), Tile(16, 32, 1))
+
+
+@contextlib.contextmanager
+def use_tiles(overrides: Mapping[tuple[int, int], Tile]) -> Iterator[None]:
+    """Temporarily replace entries of TUNED (for tuning scripts that time candidate tiles)."""
+    saved = dict(TUNED)
+    TUNED.update(overrides)
+    try:
+        yield
+    finally:
+        TUNED.clear()
+        TUNED.update(saved)
 
 
 def select_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: int) -> Tile:

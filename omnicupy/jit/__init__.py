@@ -15,7 +15,7 @@ from .._version import __version__
 from . import env
 from .cache import CACHE_FORMAT, CacheEntry, DiskCache
 from .compiler import CompileResult, arch_number, compile_cubin, normalize_arch, nvrtc_version, supported_archs
-from .render import headers_digest_material, render
+from .render import headers_digest_material, render_source
 from .variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
 
 __all__ = [
@@ -34,7 +34,7 @@ def _compile_options() -> tuple[str, ...]:
 
 def cache_stem(variant: Variant, arch: str, source: Optional[str] = None) -> str:
     """``<variant name>-<arch>-<hash>``; the hash covers everything that changes the binary."""
-    source = render(variant) if source is None else source
+    source = render_source(variant) if source is None else source
     material = "\n".join(
         [
             source,
@@ -61,7 +61,7 @@ def build(variant: Variant, arch: str, cache: Optional[DiskCache] = None) -> tup
     Returns ``(entry, built)``; ``built`` is False on a cache hit."""
     cache = cache or default_cache()
     arch = normalize_arch(arch)
-    source = render(variant)
+    source = render_source(variant)
     stem = cache_stem(variant, arch, source)
 
     def compile_entry() -> tuple[bytes, dict]:

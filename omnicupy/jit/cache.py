@@ -13,6 +13,8 @@ import fcntl
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from typing import Callable, Iterator, Optional
 
 CACHE_FORMAT = 1
 BINARY_SUFFIX = ".cubin"
+_TEMPORARY_RE = re.compile(r"^\.(?P<stem>.+)\.(?:cubin|json)\.[^.]+\.tmp$")  # names made by _atomic_write
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,14 @@ class DiskCache:
     def _paths(self, stem: str) -> tuple[Path, Path]:
         return self.dir / f"{stem}{BINARY_SUFFIX}", self.dir / f"{stem}.json"
 
-    @contextlib.contextmanager
-    def lock(self, stem: str) -> Iterator[None]:
+    def _lock_path(self, stem: str) -> Path:
         lock_dir = self.dir / "locks"
         lock_dir.mkdir(parents=True, exist_ok=True)
-        with open(lock_dir / f"{stem}.lock", "a+") as handle:
+        return lock_dir / f"{stem}.lock"
+
+    @contextlib.contextmanager
+    def lock(self, stem: str) -> Iterator[None]:
+        with open(self._lock_path(stem), "a+") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -100,6 +106,20 @@ class DiskCache:
         _atomic_write(binary, data)
         _atomic_write(meta_path, json.dumps(meta, indent=1, sort_keys=True).encode())
         return CacheEntry(binary, meta)
+
+    @contextlib.contextmanager
+    def try_lock(self, stem: str) -> Iterator[bool]:
+        """Like ``lock`` but never waits: yields False when another process holds the stem's lock."""
+        with open(self._lock_path(stem), "a+") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     def get_or_build(self, stem: str, build: Callable[[], tuple[bytes, dict]]) -> tuple[CacheEntry, bool]:
         """(entry, built): load the entry or build it once across processes."""
@@ -143,3 +163,50 @@ class DiskCache:
             self.remove(stem)
             removed += 1
         return removed
+
+    def remove_leftovers(self) -> int:
+        """Remove what belongs to no complete entry: temporaries of interrupted writes, a binary whose
+        metadata never landed, files kept beside removed entries (rendered sources), unused lock files.
+        A stem whose lock is held (a build in progress) is left alone. Returns how many files were removed
+        (lock files not counted)."""
+        if not self.dir.is_dir():
+            return 0
+        complete = {p.stem for p in self.dir.glob(f"*{BINARY_SUFFIX}")} & {p.stem for p in self.dir.glob("*.json")}
+        orphans: dict[str, list[Path]] = {}
+        for path in self.dir.iterdir():
+            if not path.is_file():
+                continue
+            temporary = _TEMPORARY_RE.match(path.name)
+            stem = temporary.group("stem") if temporary else path.name.split(".", 1)[0]
+            if temporary or stem not in complete:
+                orphans.setdefault(stem, []).append(path)
+        lock_dir = self.dir / "locks"
+        if lock_dir.is_dir():
+            for lock_path in lock_dir.glob("*.lock"):
+                if lock_path.stem not in complete:
+                    orphans.setdefault(lock_path.stem, [])
+        removed = 0
+        for stem, paths in sorted(orphans.items()):
+            with self.try_lock(stem) as free:
+                if not free:
+                    continue
+                for path in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                        removed += 1
+                with contextlib.suppress(FileNotFoundError):
+                    self._lock_path(stem).unlink()  # unlinked while held: a waiter still holds the old file
+        return removed
+
+    def other_formats(self) -> list[Path]:
+        """Folders of other cache formats under the root (left by other omnicupy versions)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name) and p != self.dir)
+
+    def remove_other_formats(self) -> int:
+        """Delete the folders ``other_formats`` lists. Returns how many."""
+        folders = self.other_formats()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        return len(folders)

@@ -21,7 +21,7 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def render(variant: Variant) -> str:
+def render_source(variant: Variant) -> str:
     return _environment().get_template(TEMPLATE_NAME).render(**variant.template_params())
 
 

@@ -1,0 +1,95 @@
+"""Test helpers: random inputs and random block masks whose element-level mask is built
+independently of the metadata (so a metadata or bit-order bug cannot cancel out)."""
+from __future__ import annotations
+
+import numpy as np
+
+from omnicupy import BlockMask, BlockType
+from omnicupy.arrays import BFLOAT16
+from omnicupy.block_mask import cdiv
+
+NP_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
+TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}  # relative Frobenius error vs the float64 reference
+
+
+def random_qkv(rng, B, Hq, Nq, D, dtype="fp16", Hkv=None, Nkv=None):
+    Hkv = Hq if Hkv is None else Hkv
+    Nkv = Nq if Nkv is None else Nkv
+    dt = NP_DTYPES[dtype]
+    q = rng.standard_normal((B, Hq, Nq, D)).astype(dt)
+    k = rng.standard_normal((B, Hkv, Nkv, D)).astype(dt)
+    v = rng.standard_normal((B, Hkv, Nkv, D)).astype(dt)
+    return q, k, v
+
+
+def pack_bits(bits: np.ndarray) -> np.ndarray:
+    """bool [rows, cols] -> uint32 [rows, cols/32], bit c of word w = column 32w + c."""
+    packed = np.packbits(bits, axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
+
+
+def random_block_mask(rng, Bm, Hm, q_len, kv_len, q_block_size=128, kv_block_size=128,
+                      probs=(0.25, 0.25, 0.25, 0.25), empty_q_blocks=0, shuffle=False):
+    """A random mix of MASKED/CAUSAL/FULL/PARTIAL blocks. Returns (BlockMask, dense bool mask).
+
+    ``empty_q_blocks`` q blocks of each (b, h) get no kv blocks at all; partial blocks include rows
+    with no allowed key. ``shuffle`` lists each row's blocks in random order with some MASKED entries
+    among the active ones (which the kernel must skip)."""
+    nqb, nkvb = cdiv(q_len, q_block_size), cdiv(kv_len, kv_block_size)
+    grid = rng.choice(4, size=(Bm, Hm, nqb, nkvb), p=probs)
+    for b in range(Bm):
+        for h in range(Hm):
+            grid[b, h, rng.permutation(nqb)[:empty_q_blocks]] = BlockType.MASKED
+    dense = np.zeros((Bm, Hm, nqb * q_block_size, nkvb * kv_block_size), dtype=bool)
+    partial_grid = np.zeros_like(grid)
+    pool = []
+    q_pos = np.arange(q_block_size)[:, None]
+    kv_pos = np.arange(kv_block_size)[None, :]
+    for b, h, i, j in zip(*np.nonzero(grid)):
+        rows = slice(i * q_block_size, (i + 1) * q_block_size)
+        cols = slice(j * kv_block_size, (j + 1) * kv_block_size)
+        kind = grid[b, h, i, j]
+        if kind == BlockType.FULL:
+            dense[b, h, rows, cols] = True
+        elif kind == BlockType.CAUSAL:
+            dense[b, h, rows, cols] = (i * q_block_size + q_pos) >= (j * kv_block_size + kv_pos)
+        else:
+            bits = rng.random((q_block_size, kv_block_size)) < rng.uniform(0.1, 0.9)
+            bits[rng.random(q_block_size) < 0.1] = False  # some rows with nothing allowed here
+            dense[b, h, rows, cols] = bits
+            partial_grid[b, h, i, j] = len(pool)
+            pool.append(pack_bits(bits))
+    pool_arr = np.stack(pool) if pool else None
+    bm = BlockMask.from_block_types(grid, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
+                                    kv_block_size=kv_block_size,
+                                    partial_grid=partial_grid if pool else None, partial_block_masks=pool_arr)
+    if shuffle:
+        bm = shuffled(bm, rng)
+    return bm, dense[:, :, :q_len, :kv_len]
+
+
+def shuffled(bm: BlockMask, rng) -> BlockMask:
+    """The same mask with each row's entries permuted and MASKED entries mixed into the active range."""
+    nb, idx, types = bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types
+    pidx = bm.partial_block_mask_indices
+    Bm, Hm, nqb, maxb = idx.shape
+    unused_kv = bm.num_kv_blocks  # a MASKED entry still must name a valid, unlisted kv block
+    width = maxb + 2
+    new_nb = np.zeros_like(nb)
+    new_idx = np.zeros((Bm, Hm, nqb, width), np.int32)
+    new_types = np.zeros_like(new_idx)
+    new_pidx = np.zeros_like(new_idx)
+    for b, h, i in np.ndindex(Bm, Hm, nqb):
+        n = int(nb[b, h, i])
+        listed = set(idx[b, h, i, :n].tolist())
+        spare = [kv for kv in range(unused_kv) if kv not in listed][:2]
+        entries = [(idx[b, h, i, e], types[b, h, i, e], 0 if pidx is None else pidx[b, h, i, e]) for e in range(n)]
+        entries += [(kv, BlockType.MASKED, 0) for kv in spare]
+        order = rng.permutation(len(entries))
+        new_nb[b, h, i] = len(entries)
+        for slot, e in enumerate(order):
+            new_idx[b, h, i, slot], new_types[b, h, i, slot], new_pidx[b, h, i, slot] = entries[e]
+    return BlockMask(new_nb, new_idx, new_types, q_len=bm.q_len, kv_len=bm.kv_len, q_block_size=bm.q_block_size,
+                     kv_block_size=bm.kv_block_size,
+                     partial_block_mask_indices=None if pidx is None else new_pidx,
+                     partial_block_masks=bm.partial_block_masks)

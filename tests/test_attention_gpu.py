@@ -1,0 +1,208 @@
+"""The forward kernel against the float64 reference on a GPU.
+
+Every case draws fresh random inputs, poisons the output buffer with NaN, and compares the whole
+output (and LSE where asked) with omnicupy.reference computed from the element-level mask.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import omnicupy
+from omnicupy import BlockMask, reference
+from omnicupy.jit import SUPPORTED_HEAD_DIMS
+
+from helpers import TOLERANCE, random_block_mask, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+
+def run_and_check(q, k, v, dense, dtype, *, block_mask=None, causal=False, stages=None, scale=None,
+                  check_lse=True, strided=False):
+    """Run omnicupy on device copies (optionally as strided BNHD views) and compare with the reference."""
+    def device(x):
+        if not strided:
+            return cp.asarray(x)
+        # A [B, N, H, D] buffer viewed as [B, H, N, D]: strides are not those of a contiguous array.
+        return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    qd, kd, vd = device(q), device(k), device(v)
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)  # poisoned: every element must be written
+    got, lse = omnicupy.attention(qd, kd, vd, block_mask, causal=causal, stages=stages, scale=scale,
+                                  return_lse=True, out=out)
+    assert got is out
+    want, want_lse = reference.attention(q, k, v, dense, scale=scale, return_lse=True)
+    got = got.get().astype(np.float64)
+    assert not np.isnan(got).any(), "unwritten or NaN output"
+    err = reference.relative_error(got, want)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}"
+    empty = ~np.broadcast_to(dense, want.shape[:3] + (dense.shape[-1],)).any(axis=-1)
+    assert np.all(got[empty] == 0), "rows with no allowed key must be exactly 0"
+    if check_lse:
+        lse = lse.get()
+        assert np.all(np.isneginf(lse[empty])), "empty rows must have LSE -inf"
+        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=2e-3, rtol=0)
+    return err
+
+
+def mask_for(kind, rng, B, H, q_len, kv_len, qbs=128, kbs=128):
+    """(block_mask, causal flag, dense element mask broadcastable to [B, H, Nq, Nkv])."""
+    qi, ki = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    if kind == "full":
+        return None, False, np.ones((1, 1, q_len, kv_len), bool)
+    if kind == "causal":
+        return None, True, (qi >= ki)[None, None]
+    if kind == "mixed":  # a different random mix of all four block types per (b, h)
+        bm, dense = random_block_mask(rng, B, H, q_len, kv_len, qbs, kbs, empty_q_blocks=1, shuffle=True)
+        return bm, False, dense
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------- every variant
+@pytest.mark.parametrize("mask_kind", ["full", "causal", "mixed"])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_every_variant(head_dim, dtype, stages, mask_kind):
+    rng = np.random.default_rng()
+    B, H, N = 2, 2, 300
+    q, k, v = random_qkv(rng, B, H, N, head_dim, dtype)
+    bm, causal, dense = mask_for(mask_kind, rng, B, H, N, N)
+    run_and_check(q, k, v, dense, dtype, block_mask=bm, causal=causal, stages=stages)
+
+
+# ---------------------------------------------------------------- lengths and tails
+@pytest.mark.parametrize("n", [1, 17, 127, 1000, 4097])
+@pytest.mark.parametrize("mask_kind", ["causal", "mixed"])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "fp16"), (128, "bf16")])
+def test_sequence_lengths(n, mask_kind, stages, head_dim, dtype):
+    rng = np.random.default_rng()
+    B, H = (1, 2) if n > 1000 else (2, 2)
+    q, k, v = random_qkv(rng, B, H, n, head_dim, dtype)
+    bm, causal, dense = mask_for(mask_kind, rng, B, H, n, n)
+    run_and_check(q, k, v, dense, dtype, block_mask=bm, causal=causal, stages=stages)
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 300), (300, 1), (77, 1000), (1000, 77), (129, 4000)])
+@pytest.mark.parametrize("mask_kind", ["full", "causal", "mixed"])
+def test_cross_lengths(q_len, kv_len, mask_kind):
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, 2, q_len, 64, "fp16", Nkv=kv_len)
+    bm, causal, dense = mask_for(mask_kind, rng, 2, 2, q_len, kv_len)
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm, causal=causal)
+
+
+# ---------------------------------------------------------------- block sizes and layouts
+@pytest.mark.parametrize("qbs,kbs", [(64, 64), (128, 256), (256, 128), (64, 512), (128, 32), (16, 32)])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_block_sizes(qbs, kbs, stages):
+    """kv blocks wider than the tile are walked as several tiles; small blocks pick smaller tiles."""
+    rng = np.random.default_rng()
+    n = 1000
+    q, k, v = random_qkv(rng, 1, 2, n, 128, "fp16")
+    bm, dense = random_block_mask(rng, 1, 2, n, n, qbs, kbs, empty_q_blocks=1, shuffle=True)
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm, stages=stages)
+
+
+@pytest.mark.parametrize("bcast", ["both", "batch", "heads", "none"])
+def test_broadcast_masks(bcast):
+    rng = np.random.default_rng()
+    B, H, n = 3, 4, 500
+    Bm = 1 if bcast in ("both", "batch") else B
+    Hm = 1 if bcast in ("both", "heads") else H
+    q, k, v = random_qkv(rng, B, H, n, 64, "fp16")
+    bm, dense = random_block_mask(rng, Bm, Hm, n, n, 128, 128, empty_q_blocks=1)
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_strided_inputs(head_dim, stages):
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, 3, 333, head_dim, "fp16")
+    bm, causal, dense = mask_for("mixed", rng, 2, 3, 333, 333)
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm, stages=stages, strided=True)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+def test_grouped_query_heads(hq, hkv):
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, hq, 400, 64, "fp16", Hkv=hkv)
+    bm, causal, dense = mask_for("mixed", rng, 2, hq, 400, 400)
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm)
+
+
+def test_all_rows_empty():
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 1, 2, 200, 64, "fp16")
+    grid = np.zeros((1, 1, 2, 2), np.int32)
+    bm = BlockMask.from_block_types(grid, q_len=200, kv_len=200)
+    run_and_check(q, k, v, np.zeros((1, 1, 200, 200), bool), "fp16", block_mask=bm)
+
+
+def test_custom_scale():
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 1, 2, 300, 64, "fp16")
+    run_and_check(q, k, v, np.ones((1, 1, 300, 300), bool), "fp16", scale=0.05)
+
+
+# ---------------------------------------------------------------- array interop
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_numpy_in_numpy_out(dtype):
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 1, 2, 257, 64, dtype)
+    out = omnicupy.attention(q, k, v, causal=True)
+    assert isinstance(out, np.ndarray) and out.dtype == q.dtype
+    qi, ki = np.arange(257)[:, None], np.arange(257)[None, :]
+    assert reference.relative_error(out.astype(np.float64), reference.attention(q, k, v, qi >= ki)) <= TOLERANCE[dtype]
+    out2, lse = omnicupy.attention(q, k, v, causal=True, return_lse=True, out=np.empty_like(q))
+    assert isinstance(lse, np.ndarray) and lse.dtype == np.float32
+    np.testing.assert_array_equal(out2.astype(np.float32), out.astype(np.float32))
+
+
+def test_torch_dlpack_zero_copy():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, 2, 300, 64, "fp16")
+    tq, tk, tv = (torch.from_numpy(x.astype(np.float16)).cuda() for x in (q, k, v))
+    out_t = torch.full_like(tq, float("nan"))
+    got = omnicupy.attention(tq, tk, tv, causal=True, out=out_t)
+    assert got.data.ptr == out_t.data_ptr(), "out must be written in place, zero-copy"
+    qi, ki = np.arange(300)[:, None], np.arange(300)[None, :]
+    err = reference.relative_error(out_t.cpu().numpy(), reference.attention(q, k, v, qi >= ki))
+    assert err <= TOLERANCE["fp16"]
+    bq = tq.to(torch.bfloat16)
+    got_bf16 = omnicupy.attention(bq, tk.to(torch.bfloat16), tv.to(torch.bfloat16), causal=True)
+    assert got_bf16.dtype == omnicupy.arrays.BFLOAT16
+
+
+def test_low_level_call():
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, 2, 300, 128, "fp16")
+    bm, dense = random_block_mask(rng, 2, 2, 300, 300, 128, 128, empty_q_blocks=1)
+    o = cp.full(q.shape, np.nan, dtype=q.dtype)
+    lse = cp.full(q.shape[:3], np.nan, dtype=np.float32)
+    omnicupy.omni_attn_mma_blockmask(
+        cp.asarray(q), cp.asarray(k), cp.asarray(v), o, cp.asarray(bm.kv_num_blocks), cp.asarray(bm.kv_indices),
+        cp.asarray(bm.block_mask_types), 2, partial_block_mask_indices=cp.asarray(bm.partial_block_mask_indices),
+        partial_block_masks=cp.asarray(bm.partial_block_masks), lse=lse)
+    want, want_lse = reference.attention(q, k, v, dense, return_lse=True)
+    assert reference.relative_error(o.get(), want) <= TOLERANCE["fp16"]
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse.get()[finite], want_lse[finite], atol=2e-3)
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda idx, nb: idx.__setitem__((0, 0, 0, 0), 99), "outside"),
+    (lambda idx, nb: nb.__setitem__((0, 0, 0), 5), "larger than"),
+    (lambda idx, nb: idx.__setitem__((0, 0, 1, 1), int(idx[0, 0, 1, 0])), "twice"),
+])
+def test_device_metadata_is_validated_on_device(corrupt, message):
+    bm = BlockMask.causal(300, 300)
+    nb, idx, types = (cp.asarray(a).copy() for a in (bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types))
+    corrupt(idx, nb)
+    with pytest.raises(omnicupy.MaskError, match=message):
+        BlockMask(nb, idx, types, q_len=300, kv_len=300)
