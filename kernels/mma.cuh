@@ -4,6 +4,8 @@
 // columns 2t and 2t+1 of the 16x8 tile: c[0], c[1] on row g and c[2], c[3] on row g+8.
 // A (16x16, row-major) and B (16x8, "col" = k-contiguous) come from ldmatrix as four/two b32
 // registers, each two packed 16-bit values.
+// mma touches registers only, so its asm is not volatile: the compiler may interleave it with the
+// (volatile, smem-reading) ldmatrix loads to hide their latency.
 #pragma once
 #include "ptx.cuh"
 
@@ -23,7 +25,7 @@ struct Fp16 {
   }
   // d += a * b
   static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -39,7 +41,7 @@ struct Bf16 {
   }
   static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(static_cast<u32>(x) << 16); }
   static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

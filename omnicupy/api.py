@@ -191,7 +191,7 @@ def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: fl
     variant = tiles.select_variant(inp.head_dim, inp.dtype, stages, bm.q_block_size, bm.kv_block_size,
                                    bm.features.causal, bm.features.partial)
     kernel = jit.get_kernel(variant)
-    Bm, Hm = bm.shape[:2]
+    Bm, Hm = meta.kv_indices.shape[:2]  # may be 1 where the BlockMask broadcasts by stride
     item = inp.q.itemsize
 
     def strides(x):

@@ -68,12 +68,12 @@ def to_numpy(x: Any) -> np.ndarray:
         return x
     if is_cupy(x):
         return x.get()
-    if hasattr(x, "__cuda_array_interface__") or _is_cuda_dlpack(x):
+    if hasattr(x, "__cuda_array_interface__") or is_cuda_dlpack(x):
         return to_cupy(x, "x").get()
     return np.asarray(x)
 
 
-def _is_cuda_dlpack(x: Any) -> bool:
+def is_cuda_dlpack(x: Any) -> bool:
     if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
         return False
     try:
@@ -92,7 +92,7 @@ def to_cupy(x: Any, name: str):
         raise RuntimeError(f"{name}: CuPy is not installed; install omnicupy[cuda12] or omnicupy[cuda13]")
     if isinstance(x, cp.ndarray):
         return x
-    if _is_cuda_dlpack(x):
+    if is_cuda_dlpack(x):
         return cp.from_dlpack(x)
     if hasattr(x, "__cuda_array_interface__"):
         return cp.asarray(x)
@@ -100,6 +100,19 @@ def to_cupy(x: Any, name: str):
         # A host DLPack producer (e.g. a CPU torch tensor): go through NumPy.
         x = np.from_dlpack(x)
     return cp.asarray(np.asarray(x))
+
+
+def as_array(x: Any, name: str):
+    """A NumPy or CuPy array for ``x`` without moving data between host and device: CUDA DLPack and
+    CUDA-array-interface objects become zero-copy CuPy views, host DLPack objects (a CPU torch
+    tensor) NumPy views, anything else goes through ``numpy.asarray``."""
+    if is_numpy(x) or is_cupy(x):
+        return x
+    if hasattr(x, "__cuda_array_interface__") or is_cuda_dlpack(x):
+        return to_cupy(x, name)
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)
 
 
 def describe(x: Any) -> str:

@@ -74,11 +74,7 @@ def _as_index_array(x: Any, name: str, ndim: int, *, unsigned: bool = False):
     """Accept NumPy/CuPy/DLPack integer arrays; return NumPy or CuPy int32 (uint32) arrays."""
     if x is None:
         raise MaskError(f"{name} is required")
-    if not (arrays.is_numpy(x) or arrays.is_cupy(x)):
-        if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
-            x = arrays.to_cupy(x, name)
-        else:
-            x = np.asarray(x)
+    x = arrays.as_array(x, name)
     if x.ndim != ndim:
         raise MaskError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     kind = np.dtype(x.dtype).kind
@@ -210,15 +206,23 @@ class BlockMask:
         dev = cp.cuda.runtime.getDevice()
         cached = self._device_cache.get(dev)
         if cached is None:
-            def dev_array(a, dtype=np.int32):
-                return None if a is None else cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
+            # A batch/head dim that every metadata array broadcasts by stride 0 (np.broadcast_to,
+            # expand) is stored once: the kernel broadcasts size-1 dims itself.
+            per_bh = [a for a in (self.kv_num_blocks, self.kv_indices, self.block_mask_types,
+                                  self.partial_block_mask_indices) if a is not None]
+            keep = tuple(slice(0, 1) if all(a.strides[d] == 0 for a in per_bh) else slice(None) for d in (0, 1))
+
+            def dev_array(a, dtype=np.int32, per_batch_head=True):
+                if a is None:
+                    return None
+                return cp.ascontiguousarray(cp.asarray(a[keep] if per_batch_head else a, dtype=dtype))
 
             cached = DeviceMetadata(
                 dev_array(self.kv_num_blocks),
                 dev_array(self.kv_indices),
                 dev_array(self.block_mask_types),
                 dev_array(self.partial_block_mask_indices) if self.features.partial else None,
-                dev_array(self.partial_block_masks, np.uint32) if self.features.partial else None,
+                dev_array(self.partial_block_masks, np.uint32, per_batch_head=False) if self.features.partial else None,
             )
             self._device_cache[dev] = cached
         return cached
@@ -381,9 +385,13 @@ def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> Mask
     slots = xp.arange(maxb, dtype=np.int32)
     active = slots[None, None, None, :] < nb[..., None]
     is_partial = active & (types == partial)
-    # Duplicates: give inactive slots distinct out-of-range values, sort each row, compare neighbours.
+    # Duplicates: give inactive slots distinct out-of-range values; rows that already increase
+    # strictly (what the builders emit) have none, and only otherwise is each row sorted.
     keyed = xp.where(active, idx, num_kv_blocks + slots[None, None, None, :])
-    dup = xp.any(xp.diff(xp.sort(keyed, axis=-1), axis=-1) == 0) if maxb > 1 else xp.zeros((), dtype=bool)
+    if maxb > 1 and not bool(xp.all(xp.diff(keyed, axis=-1) > 0)):
+        dup = xp.any(xp.diff(xp.sort(keyed, axis=-1), axis=-1) == 0)
+    else:
+        dup = xp.zeros((), dtype=bool)
     npool = 0 if pool is None else int(pool.shape[0])
     checks = [
         xp.any(nb < 0),

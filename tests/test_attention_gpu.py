@@ -206,3 +206,21 @@ def test_device_metadata_is_validated_on_device(corrupt, message):
     corrupt(idx, nb)
     with pytest.raises(omnicupy.MaskError, match=message):
         BlockMask(nb, idx, types, q_len=300, kv_len=300)
+
+
+# ---------------------------------------------------------------- every built-in mask
+from mask_cases import MASK_CASES  # noqa: E402
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("q_len,kv_len,block", [(777, 777, 128), (300, 1000, 64), (1000, 300, 128)])
+@pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES])
+def test_builtin_masks(factory, q_len, kv_len, block, stages):
+    """Each built-in mask through from_mask_mod (on the GPU) against the reference evaluated from the
+    mask_mod itself (on the host), per (b, h) with B = 2, H = 2."""
+    rng = np.random.default_rng()
+    mask_mod = factory(q_len, kv_len)
+    bm = BlockMask.from_mask_mod(mask_mod, None, None, q_len, kv_len, q_block_size=block, kv_block_size=block)
+    q, k, v = random_qkv(rng, 2, 2, q_len, 64, "fp16", Nkv=kv_len)
+    dense = reference.dense_mask_from_mod(mask_mod, 1, 1, q_len, kv_len)
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm, stages=stages)

@@ -1,0 +1,418 @@
+"""BlockMask builders: from_mask_mod (structured and generic paths), from_dense, from_flex, validation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from omnicupy import BlockMask, arrays, builders, masks
+from omnicupy.block_mask import BlockType
+from omnicupy.errors import MaskError
+from omnicupy.reference import dense_mask_from_mod
+
+from mask_cases import MASK_CASES
+
+META = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
+CASE_PARAMS = [pytest.param(factory, id=case_id) for case_id, factory in MASK_CASES]
+SIZES = [(1, 1), (77, 300), (300, 77), (1000, 1000), (1000, 333)]
+BLOCKS = [(64, 64), (128, 128), (64, 128)]
+
+
+def assert_same_metadata(a: BlockMask, b: BlockMask) -> None:
+    assert a.shape == b.shape and a.block_size == b.block_size
+    for name in META:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            np.testing.assert_array_equal(arrays.to_numpy(x), arrays.to_numpy(y), err_msg=name)
+
+
+def unpack_pool(bm: BlockMask) -> np.ndarray:
+    pool = arrays.to_numpy(bm.partial_block_masks)
+    bits = (pool[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.reshape(pool.shape[0], bm.q_block_size, bm.kv_block_size).astype(bool)
+
+
+def assert_pool_is_clean(bm: BlockMask) -> None:
+    """Pool entries are distinct, and bits past the sequence end are 0."""
+    if bm.partial_block_masks is None:
+        return
+    pool = arrays.to_numpy(bm.partial_block_masks)
+    assert len(np.unique(pool.reshape(len(pool), -1), axis=0)) == len(pool)
+    dense = unpack_pool(bm)
+    nb, idx, types, pidx = (arrays.to_numpy(getattr(bm, n)) for n in META[:4])
+    active = np.arange(idx.shape[3]) < nb[..., None]
+    for b, h, q, e in zip(*np.nonzero(active & (types == BlockType.PARTIAL))):
+        block = dense[pidx[b, h, q, e]]
+        assert not block[bm.q_len - q * bm.q_block_size:].any()
+        assert not block[:, bm.kv_len - idx[b, h, q, e] * bm.kv_block_size:].any()
+
+
+def check_mask_mod(mod, B, H, q_len, kv_len, qbs, kbs) -> BlockMask:
+    """Structured == generic exactly, and both encode the brute-force dense mask."""
+    bm = BlockMask.from_mask_mod(mod, B, H, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs)
+    generic = builders.from_mask_mod(mod, B, H, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs,
+                                     use_structure=False)
+    assert_same_metadata(bm, generic)
+    np.testing.assert_array_equal(bm.to_dense(), dense_mask_from_mod(mod, B or 1, H or 1, q_len, kv_len))
+    assert_pool_is_clean(bm)
+    assert bm.mask_mod is mod
+    return bm
+
+
+# ------------------------------------------------------------------------------ from_mask_mod
+@pytest.mark.parametrize("qbs, kbs", BLOCKS, ids=lambda b: str(b))
+@pytest.mark.parametrize("q_len, kv_len", SIZES, ids=lambda s: str(s))
+@pytest.mark.parametrize("factory", CASE_PARAMS)
+def test_builtin_mask(factory, q_len, kv_len, qbs, kbs):
+    check_mask_mod(factory(q_len, kv_len), None, None, q_len, kv_len, qbs, kbs)
+
+
+@pytest.mark.parametrize("factory", CASE_PARAMS)
+def test_same_layout_as_from_block_types(factory):
+    bm = BlockMask.from_mask_mod(factory(300, 333), None, None, 300, 333, q_block_size=64, kv_block_size=64)
+    partial = {}
+    if bm.partial_block_masks is not None:
+        nb, idx, pidx = bm.kv_num_blocks, bm.kv_indices, bm.partial_block_mask_indices
+        grid = np.zeros(bm.block_grid().shape, dtype=np.int32)
+        b, h, q, e = np.nonzero(np.arange(idx.shape[3]) < nb[..., None])
+        grid[b, h, q, idx[b, h, q, e]] = pidx[b, h, q, e]
+        partial = dict(partial_grid=grid, partial_block_masks=bm.partial_block_masks)
+    reference_layout = BlockMask.from_block_types(bm.block_grid(), q_len=300, kv_len=333, q_block_size=64,
+                                                  kv_block_size=64, **partial)
+    assert_same_metadata(bm, reference_layout)
+
+
+def test_broadcast_over_batch_and_heads_is_a_view():
+    bm = check_mask_mod(masks.sliding_window(100), 2, 3, 500, 500, 64, 64)
+    assert bm.shape == (2, 3, 500, 500)
+    assert bm.kv_indices.strides[:2] == (0, 0)  # one grid stands for every (b, h): no copies
+
+
+def test_mask_depending_on_batch_and_head():
+    def stripes(b, h, q_idx, kv_idx):
+        return (q_idx // 16 + kv_idx // 32 + h) % 3 != b
+
+    check_mask_mod(stripes, 2, 3, 300, 200, 64, 64)
+
+
+def test_per_batch_documents():
+    lengths = [[50, 150, 100], [300], [1, 299]]
+    ids = np.stack([masks.doc_ids_from_lengths(n) for n in lengths])
+    bm = check_mask_mod(masks.document(ids), 3, None, 300, 300, 64, 64)
+    assert bm.shape == (3, 1, 300, 300)
+
+
+def test_structure_skips_evaluation_outside_cut_blocks():
+    calls = []
+
+    def never(b, h, q_idx, kv_idx):
+        calls.append(1)
+        raise AssertionError("evaluated")
+
+    causal_structure = masks.MaskMod(never, "causal_structure", bounds=masks.causal().bounds)
+    bm = BlockMask.from_mask_mod(causal_structure, None, None, 1024, 1024, q_block_size=64, kv_block_size=64)
+    assert not calls
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], np.tri(1024, dtype=bool))
+
+
+def test_evaluation_is_chunked(monkeypatch):
+    monkeypatch.setattr(builders, "CHUNK_ELEMENTS", 64 * 64 * 3)
+    sizes = []
+
+    def recording(b, h, q_idx, kv_idx):
+        sizes.append(np.broadcast_shapes(q_idx.shape, kv_idx.shape))
+        return (q_idx + kv_idx) % 5 != 0
+
+    small = builders.from_mask_mod(recording, None, None, 1000, 700, q_block_size=64, kv_block_size=64)
+    assert max(int(np.prod(s)) for s in sizes) <= 64 * 64 * 3 and len(sizes) > 10
+    monkeypatch.undo()
+    assert_same_metadata(small, builders.from_mask_mod(recording, None, None, 1000, 700, q_block_size=64,
+                                                       kv_block_size=64))
+
+
+def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch):
+    mod = masks.document(masks.doc_ids_from_lengths([37, 100, 3, 90, 70]), causal=False)
+    expected = check_mask_mod(mod, None, None, 300, 300, 32, 32)
+    monkeypatch.setattr(builders, "_block_hashes", lambda packed, xp: xp.zeros(len(packed), dtype=np.uint64))
+    got = check_mask_mod(mod, None, None, 300, 300, 32, 32)
+    np.testing.assert_array_equal(got.to_dense(), expected.to_dense())
+    assert got.partial_block_masks.shape == expected.partial_block_masks.shape
+
+
+class _NoHostArray:
+    """Stands in for a CuPy array: NumPy refuses to convert it, as it refuses CuPy arrays."""
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
+class _FakeDeviceModule:
+    @staticmethod
+    def zeros(shape, dtype):
+        return _NoHostArray()
+
+
+def test_numpy_only_mask_mod_falls_back_to_host_evaluation():
+    table = np.arange(10)
+    with pytest.warns(UserWarning, match="does not take CuPy arrays"):
+        assert builders._evaluation_module(lambda b, h, q, kv: table[q] == table[kv], _FakeDeviceModule) is np
+    assert builders._evaluation_module(lambda b, h, q, kv: True, _FakeDeviceModule) is _FakeDeviceModule
+    assert builders._evaluation_module(lambda b, h, q, kv: table[q] == table[kv], np) is np
+
+
+# ---------------------------------------------------------------- property-based: random mask_mods
+LEN = 300
+
+
+def _named(fn, name):
+    fn.__name__ = name
+    return fn
+
+
+def modular(a, c, m):
+    return _named(lambda b, h, q_idx, kv_idx: (q_idx * a + kv_idx * c) % m != 0, f"modular_{a}_{c}_{m}")
+
+
+def stripes(period):
+    return _named(lambda b, h, q_idx, kv_idx: (q_idx // period + kv_idx // 32 + h) % 3 != b, f"stripes_{period}")
+
+
+def to_length(lengths):
+    """Lengths cut or extended to sum to LEN."""
+    ends = np.minimum(np.cumsum(lengths + [LEN]), LEN)
+    return np.diff(ends[: int(np.searchsorted(ends, LEN)) + 1], prepend=0).tolist()
+
+
+segments = st.lists(st.tuples(st.sampled_from(["text", "image"]), st.integers(1, 120)), min_size=1, max_size=6)
+leaves = st.one_of(
+    st.just(masks.causal()),
+    st.integers(1, 200).map(masks.sliding_window),
+    st.builds(masks.local_window, st.integers(0, 150), st.integers(0, 150)),
+    st.integers(0, LEN).map(masks.prefix_lm),
+    st.builds(masks.dilated_sliding_window, st.integers(1, 20), st.integers(1, 5)),
+    st.builds(lambda n, c: masks.document(masks.doc_ids_from_lengths(to_length(n)), causal=c),
+              st.lists(st.integers(1, 150), min_size=1, max_size=8), st.booleans()),
+    st.lists(st.integers(1, 150), min_size=1, max_size=8).map(lambda n: masks.block_diagonal(to_length(n))),
+    segments.map(lambda s: masks.interleaved(list(zip([k for k, _ in s] + ["text"], to_length([n for _, n in s]))))),
+    st.builds(modular, st.integers(1, 7), st.integers(0, 6), st.integers(2, 5)),
+    st.integers(1, 40).map(stripes),
+)
+mask_trees = st.recursive(leaves, lambda children: st.one_of(
+    st.lists(children, min_size=2, max_size=3).map(lambda ms: masks.and_masks(*ms)),
+    st.lists(children, min_size=2, max_size=3).map(lambda ms: masks.or_masks(*ms)),
+    children.map(masks.not_mask),
+), max_leaves=4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mod=mask_trees, q_len=st.integers(1, LEN), kv_len=st.integers(1, LEN),
+       qbs=st.sampled_from([16, 64, 128]), kbs=st.sampled_from([32, 64, 128]),
+       B=st.sampled_from([None, 2]), H=st.sampled_from([None, 3]))
+def test_random_mask_mods(mod, q_len, kv_len, qbs, kbs, B, H):
+    check_mask_mod(mod, B, H, q_len, kv_len, qbs, kbs)
+
+
+# --------------------------------------------------------------------------------- from_dense
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), bm=st.sampled_from([1, 2]), hm=st.sampled_from([1, 3]),
+       q_len=st.integers(1, 200), kv_len=st.integers(1, 200), density=st.sampled_from([0.0, 0.05, 0.5, 0.95, 1.0]),
+       qbs=st.sampled_from([16, 64]), kbs=st.sampled_from([32, 64]))
+def test_from_dense_round_trip(seed, bm, hm, q_len, kv_len, density, qbs, kbs):
+    rng = np.random.default_rng(seed)
+    # Mix random noise with whole causal / full / empty blocks so every block type shows up.
+    blocky = np.tri(q_len, kv_len, dtype=bool) | (np.arange(kv_len) < kv_len // 3)
+    mask = np.where(rng.random((bm, hm, 1, 1)) < 0.5, blocky, rng.random((bm, hm, q_len, kv_len)) < density)
+    out = BlockMask.from_dense(mask, q_block_size=qbs, kv_block_size=kbs)
+    assert out.shape == (bm, hm, q_len, kv_len)
+    np.testing.assert_array_equal(out.to_dense(), mask)
+    assert_pool_is_clean(out)
+
+
+def test_from_dense_matches_from_mask_mod():
+    mod = masks.and_masks(masks.sliding_window(60), masks.document(masks.doc_ids_from_lengths([90, 110, 100])))
+    dense = dense_mask_from_mod(mod, 1, 1, 300, 300)
+    assert_same_metadata(BlockMask.from_dense(dense, q_block_size=64, kv_block_size=64),
+                         BlockMask.from_mask_mod(mod, None, None, 300, 300, q_block_size=64, kv_block_size=64))
+
+
+# ---------------------------------------------------------------------------------- from_flex
+class HostDLPack:
+    """A host array seen only through DLPack (like a CPU torch tensor)."""
+
+    def __init__(self, a):
+        self._a = np.asarray(a)
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def flex_arrays(kv_num, kv_idx, full_num=None, full_idx=None):
+    """int32 arrays of a hand-made flex tuple (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
+    return [None if a is None else np.array(a, dtype=np.int32) for a in (kv_num, kv_idx, full_num, full_idx)]
+
+
+# causal at 256 with 128-blocks is [[CAUSAL, -], [FULL, CAUSAL]]; kv_indices slots past the count are junk.
+FLEX_CASES = [
+    pytest.param(flex_arrays([[[1, 1]]], [[[[0, 7], [1, 7]]]], [[[0, 1]]], [[[[5, 5], [0, 5]]]]),
+                 masks.causal(), 256, 256, "\\.\n#\\", id="partial+full"),
+    pytest.param(flex_arrays([[[1, 2]]], [[[[0, 0], [1, 0]]]]), masks.causal(), 256, 256, "\\.\n#\\",
+                 id="partial-only-unsorted"),
+    pytest.param(flex_arrays([[[2, 2]]], [[[[0, 1], [0, 1]]]]), masks.causal(), 256, 256, "\\.\n#\\",
+                 id="all-false-partial-dropped"),
+    pytest.param(flex_arrays([[[0, 0]]], [[[[0, 0], [0, 0]]]], [[[2, 2]]], [[[[0, 1], [1, 0]]]]),
+                 None, 256, 256, "##\n##", id="full-only-no-mask_mod"),
+    pytest.param(flex_arrays([[[2, 2]]], [[[[0, 1], [0, 1]]]]), masks.prefix_lm(256), 256, 256, "##\n##",
+                 id="all-true-partial-is-full"),
+    pytest.param(flex_arrays([[[1, 2]]], [[[[0, 0], [0, 1]]]]), masks.sliding_window(100), 200, 150, "+.\n+\\",
+                 id="tails"),
+    pytest.param([HostDLPack(a) for a in flex_arrays([[[1, 1]]], [[[[0, 7], [1, 7]]]], [[[0, 1]]], [[[[5, 5], [0, 5]]]])],
+                 masks.causal(), 256, 256, "\\.\n#\\", id="host-dlpack"),
+]
+
+
+@pytest.mark.parametrize("flex, mod, q_len, kv_len, grid", FLEX_CASES)
+def test_from_flex_hand_made(flex, mod, q_len, kv_len, grid):
+    bm = BlockMask.from_flex(*flex, q_len=q_len, kv_len=kv_len, mask_mod=mod)
+    assert bm.to_string() == grid
+    if mod is not None:
+        np.testing.assert_array_equal(bm.to_dense(), dense_mask_from_mod(mod, 1, 1, q_len, kv_len))
+    assert bm.mask_mod is mod
+
+
+def as_flex_tuple(bm: BlockMask):
+    """flex's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) for a BlockMask:
+    CAUSAL and PARTIAL blocks are flex's partial blocks."""
+    grid = bm.block_grid()
+    pairs = []
+    for listed in (np.isin(grid, [BlockType.CAUSAL, BlockType.PARTIAL]), grid == BlockType.FULL):
+        order = np.argsort(~listed, axis=-1, kind="stable")
+        pairs += [listed.sum(-1).astype(np.int32), order.astype(np.int32)]
+    return pairs
+
+
+@pytest.mark.parametrize("factory", CASE_PARAMS)
+def test_from_flex_round_trip(factory):
+    mod = factory(300, 333)
+    bm = BlockMask.from_mask_mod(mod, None, None, 300, 333, q_block_size=64, kv_block_size=64)
+    again = BlockMask.from_flex(*as_flex_tuple(bm), q_len=300, kv_len=333, q_block_size=64, kv_block_size=64,
+                                mask_mod=mod)
+    assert_same_metadata(again, bm)
+
+
+# --------------------------------------------------------------------------------- inspection
+def test_inspection_of_a_causal_mask():
+    bm = BlockMask.from_mask_mod(masks.causal(), None, None, 256, 256)
+    assert bm.shape == (1, 1, 256, 256)
+    assert bm.sparsity() == pytest.approx(25.0)
+    assert bm.to_string() == "\\.\n#\\"
+    assert repr(bm) == ("BlockMask(shape=(1, 1, 256, 256), block_size=(128, 128), sparsity=25.00%, full=1, "
+                        "causal=2, partial=0, pool=0, arrays=numpy)")
+
+
+def test_inspection_of_an_interleaved_mask():
+    # Image tokens 50..149 see everything before 150; text tokens are causal.
+    bm = BlockMask.from_mask_mod(masks.interleaved([("text", 50), ("image", 100), ("text", 106)]), 2, None, 256, 256,
+                                 q_block_size=32, kv_block_size=32)
+    assert bm.shape == (2, 1, 256, 256)
+    assert bm.to_string() == "\n".join(["\\.......", "#++++...", "####+...", "####+...", "####+...",
+                                        "#####\\..", "######\\.", "#######\\"])
+    assert bm.sparsity() == pytest.approx(100 * 22 / 64)
+    assert "full=62, causal=8, partial=14, pool=5" in repr(bm)  # counts over both batch rows
+    assert bm.to_string(max_blocks=2) == "\\.\n#+\n(showing 2x2 of 8x8 blocks)"
+
+
+# --------------------------------------------------------------------------------- validation
+PER_BATCH = masks.document(np.zeros((2, 8), dtype=np.int32))
+GOOD_FLEX = flex_arrays([[[1, 1]]], [[[[0, 0], [1, 0]]]], [[[0, 1]]], [[[[0, 0], [0, 0]]]])
+
+
+def flex_with(**changes):
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    kwargs = dict(zip(names, GOOD_FLEX), q_len=256, kv_len=256, mask_mod=masks.causal())
+    kwargs.update(changes)
+    return lambda: BlockMask.from_flex(**kwargs)
+
+
+@pytest.mark.parametrize("build, match", [
+    pytest.param(lambda: BlockMask.from_mask_mod(3, None, None, 8, 8), "mask_mod must be callable", id="mod-not-callable"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.causal(), 0, None, 8, 8), "B must be >= 1", id="B-zero"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.causal(), None, 2.0, 8, 8), "H must be an int", id="H-float"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.causal(), None, None, 0, 8), "q_len must be >= 1", id="q_len-zero"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.causal(), None, None, 8, "8"), "kv_len must be an int", id="kv_len-str"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.causal(), None, None, 8, 8, q_block_size=24),
+                 "q_block_size must be a multiple of 16", id="q_block_size"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.causal(), None, None, 8, 8, kv_block_size=48),
+                 "kv_block_size must be a multiple of 32", id="kv_block_size"),
+    pytest.param(lambda: BlockMask.from_mask_mod(masks.block_diagonal([4, 4]), None, None, 8, 9),
+                 "defined for 8 positions", id="mask-too-short"),
+    pytest.param(lambda: BlockMask.from_mask_mod(PER_BATCH, None, None, 8, 8), "pass B=2", id="per-batch-without-B"),
+    pytest.param(lambda: BlockMask.from_dense(np.ones((1, 8, 8), bool)), "mask must be 4-D", id="dense-3d"),
+    pytest.param(lambda: BlockMask.from_dense(np.ones((1, 1, 8, 8), np.int32)), "boolean", id="dense-int"),
+    pytest.param(lambda: BlockMask.from_dense(np.ones((1, 0, 8, 8), bool)), "zero-size", id="dense-empty"),
+    pytest.param(lambda: BlockMask.from_dense(np.ones((1, 1, 8, 8), bool), kv_block_size=16),
+                 "kv_block_size must be a multiple of 32", id="dense-block-size"),
+    pytest.param(lambda: BlockMask.from_dense(None), "mask is required", id="dense-none"),
+    pytest.param(flex_with(full_kv_indices=None), "given together", id="flex-half-full-pair"),
+    pytest.param(flex_with(kv_num_blocks=np.zeros((1, 1, 3), np.int32)), r"kv_num_blocks must have shape \(1, 1, 2\)",
+                 id="flex-num-q-blocks"),
+    pytest.param(flex_with(kv_indices=np.zeros((1, 1, 2), np.int32)), "kv_indices must have 4 dimensions",
+                 id="flex-indices-ndim"),
+    pytest.param(flex_with(kv_indices=np.zeros((1, 2, 2, 2), np.int32)), "kv_indices shape .* must start with",
+                 id="flex-indices-shape"),
+    pytest.param(flex_with(full_kv_num_blocks=np.zeros((2, 1, 2), np.int32)),
+                 "full_kv_num_blocks must have shape", id="flex-full-shape"),
+    pytest.param(flex_with(kv_num_blocks=np.array([[[3, 1]]])), r"kv_num_blocks has entries outside \[0, 2\]",
+                 id="flex-num-too-large"),
+    pytest.param(flex_with(full_kv_num_blocks=np.array([[[-1, 1]]])), "full_kv_num_blocks has entries outside",
+                 id="flex-num-negative"),
+    pytest.param(flex_with(kv_indices=np.array([[[[2, 0], [1, 0]]]])), r"kv_indices has listed entries outside \[0, 2\)",
+                 id="flex-index-range"),
+    pytest.param(flex_with(full_kv_indices=np.array([[[[0, 0], [-1, 0]]]])), "full_kv_indices has listed entries",
+                 id="flex-full-index-range"),
+    pytest.param(flex_with(kv_num_blocks=np.array([[[2, 1]]]), kv_indices=np.array([[[[0, 0], [1, 0]]]])),
+                 "listed twice", id="flex-duplicate-in-list"),
+    pytest.param(flex_with(kv_indices=np.array([[[[0, 0], [0, 0]]]])), "listed twice", id="flex-duplicate-across-lists"),
+    pytest.param(flex_with(kv_indices=np.zeros((1, 1, 2, 2))), "kv_indices must be an integer array", id="flex-float"),
+    pytest.param(flex_with(mask_mod=None), "2 partial blocks, whose element masks need mask_mod=", id="flex-no-mask_mod"),
+    pytest.param(flex_with(mask_mod="causal"), "mask_mod must be callable", id="flex-mask_mod-not-callable"),
+    pytest.param(flex_with(q_block_size=100), "q_block_size must be a multiple of 16", id="flex-block-size"),
+    pytest.param(flex_with(kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None), "kv_indices is required",
+                 id="flex-missing"),
+])
+def test_validation_errors(build, match):
+    with pytest.raises(MaskError, match=match):
+        build()
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("factory", CASE_PARAMS)
+def test_cupy_path_equals_numpy_path(factory):
+    cp = arrays.cupy_module()
+    mod = factory(1000, 777)
+    on_gpu = builders.from_mask_mod(mod, None, 2, 1000, 777, q_block_size=64, kv_block_size=128, xp=cp)
+    on_host = builders.from_mask_mod(mod, None, 2, 1000, 777, q_block_size=64, kv_block_size=128, xp=np)
+    assert on_gpu.on_device and not on_host.on_device
+    assert_same_metadata(on_gpu, on_host)
+    generic = builders.from_mask_mod(mod, None, 2, 1000, 777, q_block_size=64, kv_block_size=128, xp=cp,
+                                     use_structure=False)
+    assert_same_metadata(generic, on_host)
+
+
+@pytest.mark.gpu
+def test_gpu_builds_a_mask_mod_that_indexes_numpy_tables():
+    ids = masks.doc_ids_from_lengths([100, 50, 150])
+
+    def numpy_documents(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    with pytest.warns(UserWarning, match="does not take CuPy arrays"):
+        bm = BlockMask.from_mask_mod(numpy_documents, None, None, 300, 300, q_block_size=64, kv_block_size=64)
+    assert not bm.on_device
+    assert_same_metadata(bm, BlockMask.from_mask_mod(masks.document(ids), None, None, 300, 300, q_block_size=64,
+                                                     kv_block_size=64))
