@@ -24,8 +24,8 @@ class Tile:
 #: see NOTES.md for the measurements behind each entry.
 TUNED: dict[tuple[int, int], Tile] = {
     (32, 1): Tile(128, 64, 4), (32, 2): Tile(128, 64, 4),
-    (64, 1): Tile(64, 128, 4), (64, 2): Tile(64, 128, 4),
-    (96, 1): Tile(64, 64, 4), (96, 2): Tile(64, 64, 4),
+    (64, 1): Tile(64, 128, 4), (64, 2): Tile(128, 128, 4),
+    (96, 1): Tile(64, 64, 4), (96, 2): Tile(128, 64, 4),
     (128, 1): Tile(64, 64, 4), (128, 2): Tile(128, 64, 4),
     (256, 1): Tile(64, 32, 4), (256, 2): Tile(64, 64, 4),
 }
