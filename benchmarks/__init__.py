@@ -1,0 +1,1 @@
+"""Benchmarks of omnicupy against FlexAttention, FlashAttention-2 and cuDNN: ``python -m benchmarks.run``."""
