@@ -114,6 +114,7 @@ class BlockMask:
         partial_block_mask_indices: Any = None,
         partial_block_masks: Any = None,
         mask_mod: Optional[Callable] = None,
+        _features: Optional[MaskFeatures] = None,
     ) -> None:
         self.q_len = _check_positive_int(q_len, "q_len")
         self.kv_len = _check_positive_int(kv_len, "kv_len")
@@ -134,7 +135,7 @@ class BlockMask:
         )
         self.mask_mod = mask_mod
         self._device_cache: dict[int, DeviceMetadata] = {}
-        self.features = self._validate()
+        self.features = self._validate(_features)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -164,7 +165,9 @@ class BlockMask:
         return arrays.is_cupy(self.kv_indices)
 
     # ------------------------------------------------------------- validation
-    def _validate(self) -> MaskFeatures:
+    def _validate(self, features: Optional[MaskFeatures] = None) -> MaskFeatures:
+        """Shape checks, then value checks unless ``features`` is given: only the builders pass it,
+        for metadata valid by construction, whose value checks would cost reductions and a sync."""
         nb, idx, types = self.kv_num_blocks, self.kv_indices, self.block_mask_types
         pidx, pool = self.partial_block_mask_indices, self.partial_block_masks
         bm, hm, nqb = (int(s) for s in nb.shape)
@@ -195,6 +198,8 @@ class BlockMask:
         modules = {arrays.array_namespace(a).__name__ for a in (nb, idx, types, pidx, pool) if a is not None}
         if len(modules) > 1:
             raise MaskError("block mask arrays must all live on the host (NumPy) or all on the device (CuPy)")
+        if features is not None:
+            return features
         return validate_metadata(
             nb, idx, types, pidx, pool, num_kv_blocks=self.num_kv_blocks
         )

@@ -1,23 +1,31 @@
 """Builders of BlockMask metadata (DESIGN.md §1): from a mask_mod, a dense mask, flex-attention's arrays.
 
-All three end the same way. A grid of block types ``[Bm, Hm, nQB, nKVB]`` marks some blocks
-EVALUATE: for a mask_mod with known structure only the blocks an interval end cuts
-(``MaskMod.classify_blocks``), for an opaque one all of them, for flex the blocks it calls partial.
-Those are classified by evaluating the mask_mod on their elements, chunk by chunk so that peak
-memory stays bounded whatever N is; partial blocks are bit-packed and deduplicated into the pool;
-the grid is compacted into flex's layout. The work runs with CuPy on the GPU when one is usable
-(the metadata then lives on the device), with NumPy otherwise.
+All three end the same way, from block rows: for each (b, h, q block), the types of the kv blocks
+``first, first + 1, ...``, some marked EVALUATE. For a mask_mod with known structure the row is a
+window around the allowed keys in which only the blocks an interval end cuts are EVALUATE
+(``MaskMod.block_rows``); for an opaque one every block is; for flex, the blocks it calls partial.
+Those are classified by evaluating the mask_mod on their elements; partial blocks are bit-packed and
+deduplicated into the pool; the rows are compacted into flex's layout.
+
+Where the work runs: everything per block (rows, types, deduplication, compaction) is O(blocks) and
+runs on the host with NumPy, where each step costs microseconds, not a kernel launch and a sync.
+Only the elements of the EVALUATE blocks are evaluated with the array module ``xp`` (CuPy on the GPU
+when one is usable), chunk by chunk so that peak memory stays bounded whatever N is: per chunk one
+transfer of coordinates, the mask_mod's own operations, one ``packbits`` and one transfer of the bits
+back. The finished metadata is moved to ``xp`` (one transfer per array).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from . import arrays, masks
-from .block_mask import (BlockMask, BlockType, Q_BLOCK_MULTIPLE, KV_BLOCK_MULTIPLE, _as_index_array,
+from .block_mask import (BlockMask, BlockType, MaskFeatures, Q_BLOCK_MULTIPLE, KV_BLOCK_MULTIPLE, _as_index_array,
                          _check_positive_int, cdiv)
 from .errors import MaskError
 from .masks import CAUSAL, EVALUATE, FULL, MASKED
@@ -27,6 +35,12 @@ PARTIAL = int(BlockType.PARTIAL)
 #: Elements evaluated at once (one chunk of blocks). The chunk's int64 temporaries inside a mask_mod
 #: take 8 bytes per element, so this bounds the builders' peak memory near 100 MB.
 CHUNK_ELEMENTS = 1 << 22
+
+_ALL_BITS = np.uint32(0xFFFFFFFF)
+
+#: mask_mods that took CuPy arrays once: ``_evaluation_module`` probes each only once (its probe
+#: is a handful of kernel launches, as many as a small build's whole evaluation).
+_TAKES_DEVICE_ARRAYS: "weakref.WeakSet[Callable]" = weakref.WeakSet()
 
 
 def default_array_module():
@@ -39,14 +53,19 @@ def _evaluation_module(mask_mod: Callable, xp: Any):
     table, say): then NumPy, with a warning, so that the same function still builds, on the host."""
     if xp is np:
         return xp
+    with contextlib.suppress(TypeError):  # one that can't be weakly referenced is probed every time
+        if mask_mod in _TAKES_DEVICE_ARRAYS:
+            return xp
     zero = xp.zeros((1, 1, 1), dtype=np.int64)
     try:
         mask_mod(zero, zero, zero, zero)
     except TypeError as exc:
         warnings.warn(f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!s} does not take CuPy arrays ({exc}); "
                       "evaluating it with NumPy on the host, which is slower. Index CuPy copies of its tables "
-                      "(xp.asarray) to build on the GPU.", stacklevel=3)
+                      "(xp.asarray) to build on the GPU.", stacklevel=4)
         return np
+    with contextlib.suppress(TypeError):
+        _TAKES_DEVICE_ARRAYS.add(mask_mod)
     return xp
 
 
@@ -68,15 +87,15 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     Bm = 1 if B is None else _check_positive_int(B, "B")
     Hm = 1 if H is None else _check_positive_int(H, "H")
     q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
-    xp = _evaluation_module(mask_mod, default_array_module()) if xp is None else xp
-    grid = None
+    rows = None
     if isinstance(mask_mod, masks.MaskMod):
         mask_mod.check_extent(B, q_len, kv_len)
         if use_structure:
-            grid = mask_mod.classify_blocks(Bm, Hm, q_len, kv_len, qbs, kbs, xp=xp)
-    if grid is None:
-        grid = xp.full((Bm, Hm, cdiv(q_len, qbs), cdiv(kv_len, kbs)), EVALUATE, dtype=np.int8)
-    return _build(grid, mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, xp)
+            rows = mask_mod.block_rows(Bm, Hm, q_len, kv_len, qbs, kbs)
+    if rows is None:
+        nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+        rows = np.zeros((Bm, Hm, nqb), dtype=np.int64), np.full((Bm, Hm, nqb, nkvb), EVALUATE, dtype=np.int8)
+    return _build(*rows, mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, default_array_module() if xp is None else xp)
 
 
 def from_dense(mask: Any, *, q_block_size: int = 128, kv_block_size: int = 128) -> BlockMask:
@@ -105,16 +124,14 @@ def from_flex(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any = Non
     if mask_mod is not None and not callable(mask_mod):
         raise MaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
     given = {name: _as_array(a, name) for name, a in named.items()}
+    # The metadata goes where the arrays came from; the block-level work runs on the host.
     xp = arrays.cupy_module() if any(arrays.is_cupy(a) for a in given.values()) else np
-    if mask_mod is not None:
-        xp = _evaluation_module(mask_mod, xp)
-    convert = arrays.to_numpy if xp is np else xp.asarray
-    given = {name: _as_index_array(convert(a), name, 4 if name.endswith("indices") else 3)
+    given = {name: _as_index_array(arrays.to_numpy(a), name, 4 if name.endswith("indices") else 3)
              for name, a in given.items()}
     shape = tuple(given["kv_num_blocks"].shape[:2]) + (cdiv(q_len, qbs), cdiv(kv_len, kbs))
-    listed = [_listed_blocks(given, prefix, shape, xp) for prefix in ("", "full_") if prefix + "kv_indices" in given]
-    flat = xp.concatenate(listed)
-    if int(xp.unique(flat).size) != int(flat.size):
+    listed = [_listed_blocks(given, prefix, shape) for prefix in ("", "full_") if prefix + "kv_indices" in given]
+    flat = np.concatenate(listed)
+    if np.unique(flat).size != flat.size:
         raise MaskError("a kv block is listed twice in one row (within kv_indices, within full_kv_indices, "
                         "or in both); each block may appear once")
     if listed[0].size and mask_mod is None:
@@ -122,14 +139,14 @@ def from_flex(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any = Non
                         "mask_mod= (the NumPy/CuPy form of flex's mask_mod)")
     if isinstance(mask_mod, masks.MaskMod):
         mask_mod.check_extent(shape[0], q_len, kv_len)
-    grid = xp.zeros(shape, dtype=np.int8)
-    grid.reshape(-1)[listed[0]] = EVALUATE
+    types = np.zeros(shape, dtype=np.int8)
+    types.reshape(-1)[listed[0]] = EVALUATE
     if len(listed) > 1:
-        grid.reshape(-1)[listed[1]] = FULL
-    return _build(grid, mask_mod, shape[:2], q_len, kv_len, qbs, kbs, xp)
+        types.reshape(-1)[listed[1]] = FULL
+    return _build(np.zeros(shape[:3], dtype=np.int64), types, mask_mod, shape[:2], q_len, kv_len, qbs, kbs, xp)
 
 
-def _listed_blocks(given: dict, prefix: str, shape: tuple, xp: Any):
+def _listed_blocks(given: dict, prefix: str, shape: tuple):
     """Flat ids (into a grid of ``shape``) of the blocks one flex (num_blocks, indices) pair lists."""
     num_name, idx_name = prefix + "kv_num_blocks", prefix + "kv_indices"
     num, idx = given[num_name], given[idx_name]
@@ -140,11 +157,11 @@ def _listed_blocks(given: dict, prefix: str, shape: tuple, xp: Any):
     if tuple(idx.shape[:3]) != (bm, hm, nqb):
         raise MaskError(f"{idx_name} shape {tuple(idx.shape)} must start with {num_name} shape {(bm, hm, nqb)}")
     maxb = int(idx.shape[3])
-    if bool(xp.any((num < 0) | (num > maxb))):
+    if np.any((num < 0) | (num > maxb)):
         raise MaskError(f"{num_name} has entries outside [0, {maxb}] (the last dim of {idx_name})")
-    b, h, q, slot = xp.nonzero(xp.arange(maxb) < num[..., None])
+    b, h, q, slot = np.nonzero(np.arange(maxb) < num[..., None])
     kv = idx[b, h, q, slot].astype(np.int64)
-    if bool(xp.any((kv < 0) | (kv >= nkvb))):
+    if np.any((kv < 0) | (kv >= nkvb)):
         raise MaskError(f"{idx_name} has listed entries outside [0, {nkvb}) (the number of kv blocks)")
     return ((b * hm + h) * nqb + q) * nkvb + kv
 
@@ -156,110 +173,139 @@ def _as_array(x: Any, name: str):
 
 
 # -------------------------------------------------------------------------- shared construction
-def _build(grid, mask_mod, batch_heads: tuple[int, int], q_len: int, kv_len: int, qbs: int, kbs: int, xp: Any):
-    """Evaluate the grid's EVALUATE blocks, compact it, broadcast to ``batch_heads`` -> BlockMask."""
-    pidx_grid, pool = _evaluate_blocks(grid, mask_mod, q_len, kv_len, qbs, kbs, xp)
-    compact = _compact(grid, pidx_grid, xp)
-    # A grid computed for one (b, h) stands for all of them: zero-stride views, no copies.
-    nb, idx, types, pidx = (None if a is None else xp.broadcast_to(a, batch_heads + a.shape[2:]) for a in compact)
+def _build(first, types, mask_mod, batch_heads: tuple[int, int], q_len: int, kv_len: int, qbs: int, kbs: int, xp: Any):
+    """Block rows (``first`` [Bs, Hs, nQB], ``types`` [Bs, Hs, nQB, C], host) -> BlockMask broadcast to
+    ``batch_heads``, its arrays in ``xp``: the EVALUATE blocks are evaluated (``types`` is updated in
+    place), the PARTIAL ones pooled, the rows compacted."""
+    at = np.flatnonzero(types == EVALUATE)  # C order, so the pool's order is the same on every path
+    pidx = pool = None
+    if at.size:
+        xp = _evaluation_module(mask_mod, xp)
+        row, col = np.divmod(at, types.shape[-1])
+        b, h, qb = np.unravel_index(row, first.shape)
+        kinds, pool, pool_index = _evaluate_blocks(mask_mod, b, h, qb * qbs, (first.reshape(-1)[row] + col) * kbs,
+                                                   q_len, kv_len, qbs, kbs, xp)
+        types.reshape(-1)[at] = kinds
+        if pool is not None:
+            pidx = np.zeros(types.shape, dtype=np.int32)
+            pidx.reshape(-1)[at[kinds == PARTIAL]] = pool_index
+    # Valid by construction (rows strictly increase, every index is in range): BlockMask checks the
+    # shapes only, not the values.
+    features = MaskFeatures(causal=bool(np.any(types == CAUSAL)), partial=pool is not None)
+    nb, idx, types, pidx = _compact(first, types, pidx)
+    nb, idx, types, pidx, pool = (None if a is None else xp.asarray(a) for a in (nb, idx, types, pidx, pool))
+    # Rows computed for one (b, h) stand for all of them: zero-stride views, no copies.
+    nb, idx, types, pidx = (None if a is None else xp.broadcast_to(a, batch_heads + a.shape[2:])
+                            for a in (nb, idx, types, pidx))
     return BlockMask(nb, idx, types, q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
-                     partial_block_mask_indices=pidx, partial_block_masks=pool, mask_mod=mask_mod)
+                     partial_block_mask_indices=pidx, partial_block_masks=pool, mask_mod=mask_mod,
+                     _features=features)
 
 
-def _evaluate_blocks(grid, mask_mod, q_len, kv_len, qbs, kbs, xp):
-    """Replace every EVALUATE entry of ``grid`` (in place) by the block's type from its elements.
-    Returns the pool index of each PARTIAL block (a grid) and the deduplicated pool, or two Nones."""
-    flat_grid = grid.reshape(-1)
-    todo = xp.flatnonzero(flat_grid == EVALUATE)  # C order, so the pool's order is the same on every path
+def _evaluate_blocks(mask_mod, b, h, q0, kv0, q_len, kv_len, qbs, kbs, xp):
+    """Types ([K] int8) of the K blocks whose first element is (q0, kv0), from their elements, in
+    chunks; the deduplicated pool of the PARTIAL ones' bits and each one's index into it (or Nones)."""
     per_chunk = max(1, CHUNK_ELEMENTS // (qbs * kbs))
-    partial, packed, hashes = [], [], []
-    for start in range(0, int(todo.size), per_chunk):
-        at = todo[start:start + per_chunk]
-        types, bits = _classify_elements(mask_mod, xp.unravel_index(at, grid.shape), q_len, kv_len, qbs, kbs, xp)
-        flat_grid[at] = types
-        partial.append(at[types == PARTIAL])
-        packed.append(bits)
-        hashes.append(_block_hashes(bits, xp))
-    if sum(int(p.size) for p in partial) == 0:
-        return None, None
-    pool, inverse = _deduplicate(xp.concatenate(packed), xp.concatenate(hashes), xp)
-    pidx_grid = xp.zeros(grid.shape, dtype=np.int32)
-    pidx_grid.reshape(-1)[xp.concatenate(partial)] = inverse
-    return pidx_grid, pool
+    types, partial_bits = [], []
+    for at in (slice(lo, lo + per_chunk) for lo in range(0, len(b), per_chunk)):
+        bits = _element_bits(mask_mod, b[at], h[at], q0[at], kv0[at], q_len, kv_len, qbs, kbs, xp)
+        types.append(_block_types(bits, q0[at], kv0[at], q_len, kv_len))
+        partial_bits.append(bits[types[-1] == PARTIAL])
+    types, bits = np.concatenate(types), np.concatenate(partial_bits)
+    if not len(bits):
+        return types, None, None
+    return types, *_deduplicate(bits, _block_hashes(bits, np))
 
 
-def _classify_elements(mask_mod, coords, q_len, kv_len, qbs, kbs, xp):
-    """Types ([K] int8) of the K blocks at ``coords`` (b, h, q block, kv block) from their elements,
-    and the packed bits of the PARTIAL ones."""
-    b, h, qb, kb = coords
-    q = (qb * qbs)[:, None, None] + xp.arange(qbs)[None, :, None]
-    kv = (kb * kbs)[:, None, None] + xp.arange(kbs)[None, None, :]
-    # Positions past the sequence end don't exist: evaluate at clamped indices (lookup tables stay
-    # in range), then drop them, so only real positions decide the type and the pool's tail is 0.
-    valid = (q < q_len) & (kv < kv_len)
-    allowed = mask_mod(b[:, None, None], h[:, None, None], xp.minimum(q, q_len - 1), xp.minimum(kv, kv_len - 1))
-    allowed = xp.asarray(allowed, dtype=bool) & valid
-    n_allowed = allowed.sum(axis=(1, 2))
-    n_valid = xp.minimum(q_len - qb * qbs, qbs) * xp.minimum(kv_len - kb * kbs, kbs)
-    is_causal = (allowed == (valid & (q >= kv))).all(axis=(1, 2))
-    types = xp.where(n_allowed == 0, MASKED, xp.where(n_allowed == n_valid, FULL,
-                                                      xp.where(is_causal, CAUSAL, PARTIAL))).astype(np.int8)
-    return types, _pack_bits(allowed[types == PARTIAL], xp)
+def _element_bits(mask_mod, b, h, q0, kv0, q_len, kv_len, qbs, kbs, xp) -> np.ndarray:
+    """The element masks of K blocks as host bits [K, qbs, kbs/32] uint32 (bit c of word w = column
+    32w + c), evaluated with ``xp``. Positions past the sequence ends are evaluated at clamped
+    indices (lookup tables stay in range); ``_block_types`` clears them."""
+    k = len(q0)
+    q = np.minimum(q0[:, None] + np.arange(qbs), q_len - 1)
+    kv = np.minimum(kv0[:, None] + np.arange(kbs), kv_len - 1)
+    at = xp.asarray(np.concatenate([b[:, None], h[:, None], q, kv], axis=1))  # one transfer
+    allowed = mask_mod(at[:, 0, None, None], at[:, 1, None, None], at[:, 2:2 + qbs, None], at[:, None, 2 + qbs:])
+    allowed = xp.broadcast_to(xp.asarray(allowed, dtype=bool), (k, qbs, kbs))
+    # Little bit order: bit c of byte j is element 8j + c, so little-endian words hold column 32w + c.
+    bits = arrays.to_numpy(xp.packbits(allowed, bitorder="little")).view("<u4").astype(np.uint32, copy=False)
+    return bits.reshape(k, qbs, kbs // 32)
 
 
-def _pack_bits(blocks, xp):
-    """[P, QBS, KBS] bool -> [P, QBS, KBS/32] uint32 with bit c of word w = column 32w + c."""
-    p, rows, cols = blocks.shape
-    words = blocks.reshape(p, rows, cols // 32, 32).astype(np.uint32)
-    return (words << xp.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+def _block_types(bits, q0, kv0, q_len, kv_len) -> np.ndarray:
+    """MASKED, FULL, CAUSAL or PARTIAL ([K] int8) for K blocks given by their bits (``_element_bits``),
+    after clearing (in place) the bits of positions past the sequence ends, so only real positions
+    decide the type and the pool's tail is 0."""
+    k, qbs, n_words = bits.shape
+    kbs = 32 * n_words
+    rows = np.arange(qbs)
+    real_rows = rows < (q_len - q0)[:, None]
+    real_cols = np.minimum(kv_len - kv0, kbs)
+    # Only blocks in the last q block or the last kv block have positions past the ends.
+    tail = np.flatnonzero(~real_rows[:, -1] | (real_cols < kbs))
+    real = _prefix_rows(n_words)[real_cols[tail]][:, None, :] * real_rows[tail, :, None]
+    bits[tail] &= real
+    flat = bits.reshape(k, -1)
+    none = flat.max(axis=1) == 0
+    full = flat.min(axis=1) == _ALL_BITS
+    full[tail] = (bits[tail] == real).all(axis=(1, 2))
+    # CAUSAL: each real row r allows the real columns up to its diagonal, kv <= q0 + r. Only a block
+    # the diagonal passes through can be that without being all or nothing.
+    maybe = np.flatnonzero(~none & ~full & (q0 + qbs > kv0) & (q0 < kv0 + kbs))
+    diagonal = np.clip(q0[maybe, None] + rows - kv0[maybe, None] + 1, 0, real_cols[maybe, None]) * real_rows[maybe]
+    causal = np.zeros(k, dtype=bool)
+    causal[maybe] = (bits[maybe] == _prefix_rows(n_words)[diagonal]).all(axis=(1, 2))
+    return np.select([none, full, causal], [MASKED, FULL, CAUSAL], PARTIAL).astype(np.int8)
+
+
+@functools.lru_cache(maxsize=8)
+def _prefix_rows(n_words: int) -> np.ndarray:
+    """``[32 * n_words + 1, n_words]`` uint32: row n is a packed row with its first n columns set."""
+    n = np.arange(32 * n_words + 1)[:, None] - 32 * np.arange(n_words)
+    return ((np.uint64(1) << np.clip(n, 0, 32).astype(np.uint64)) - np.uint64(1)).astype(np.uint32)
 
 
 @functools.lru_cache(maxsize=8)
 def _hash_multipliers(n_words: int) -> np.ndarray:
     """Odd 64-bit multipliers, one per word of a packed block. Fixed, so the pool's order is the
-    same on every path and in NumPy and CuPy."""
+    same on every path."""
     return np.random.default_rng(0x6F6D6E69).integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1)
 
 
 def _block_hashes(packed, xp):
-    """A 64-bit hash of each packed block: sum of word * multiplier, mod 2**64."""
+    """A 64-bit hash of each packed block (NumPy or CuPy): sum of word * multiplier, mod 2**64."""
     words = packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
-    return (words.astype(np.uint64) * xp.asarray(_hash_multipliers(words.shape[1]))).sum(axis=1, dtype=np.uint64)
+    return words.astype(np.uint64) @ xp.asarray(_hash_multipliers(words.shape[1]))
 
 
-def _deduplicate(packed, hashes, xp):
+def _deduplicate(packed, hashes):
     """Identical partial blocks share one pool entry (pool in hash order). Blocks are grouped by hash,
     then each is compared with its group's representative; a hash collision falls back to an exact
-    row-wise unique on the host. Returns (pool [P, QBS, W] uint32, pool index of each block [n] int32)."""
-    rows = packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
-    _, first, inverse = xp.unique(hashes, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    if not bool(xp.all(rows == rows[first[inverse]])):
-        _, first, inverse = np.unique(arrays.to_numpy(rows), axis=0, return_index=True, return_inverse=True)
-        first, inverse = xp.asarray(first), xp.asarray(inverse.reshape(-1))
-    return packed[first], inverse.astype(np.int32)
+    row-wise unique. Returns (pool [P, QBS, W] uint32, pool index of each block [n] int32)."""
+    rows = packed.reshape(packed.shape[0], -1)
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    if not np.array_equal(rows, rows[first[inverse.reshape(-1)]]):
+        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return packed[first], inverse.reshape(-1).astype(np.int32)
 
 
-def _compact(grid, pidx_grid, xp):
-    """Flex's layout from a block-type grid: each row's non-MASKED kv blocks in increasing kv order,
-    inactive slots 0 (the arrays ``BlockMask.from_block_types`` makes), in O(active blocks) with NumPy
-    or CuPy. Returns kv_num_blocks, kv_indices, block_mask_types, partial_block_mask_indices."""
-    nkvb = grid.shape[3]
-    active = grid != MASKED
+def _compact(first, types, pidx):
+    """Flex's layout from block rows: each row's non-MASKED blocks in increasing kv order, inactive
+    slots 0 (the arrays ``BlockMask.from_block_types`` makes). Returns kv_num_blocks, kv_indices,
+    block_mask_types, partial_block_mask_indices (int32, or None)."""
+    active = types != MASKED
     nb = active.sum(axis=-1, dtype=np.int32)
+    kv = first.astype(np.int32)[..., None] + np.arange(types.shape[-1], dtype=np.int32)
+    if np.any(active[..., 1:] > active[..., :-1]):
+        # A MASKED block before an active one: move the MASKED ones to the row's end, in order.
+        order = np.argsort(~active, axis=-1, kind="stable")
+        kv, types = np.take_along_axis(kv, order, axis=-1), np.take_along_axis(types, order, axis=-1)
+        pidx = None if pidx is None else np.take_along_axis(pidx, order, axis=-1)
+        active = types != MASKED
+    kv *= active  # past a row's count, types (MASKED) and pidx are already 0
     maxb = max(int(nb.max()), 1)
-    at = xp.flatnonzero(active)  # row by row, kv increasing within a row
-    row, kv = at // nkvb, at % nkvb
-    row_start = xp.cumsum(nb.reshape(-1), dtype=np.int64) - nb.reshape(-1)
-    slot_at = row * maxb + (xp.arange(at.size) - row_start[row])
-
-    def scatter(values):
-        out = xp.zeros(grid.shape[:3] + (maxb,), dtype=np.int32)
-        out.reshape(-1)[slot_at] = values
-        return out
-
-    pidx = None if pidx_grid is None else scatter(pidx_grid.reshape(-1)[at])
-    return nb, scatter(kv), scatter(grid.reshape(-1)[at]), pidx
+    return (nb, np.ascontiguousarray(kv[..., :maxb]), types[..., :maxb].astype(np.int32),
+            None if pidx is None else np.ascontiguousarray(pidx[..., :maxb]))
 
 
 __all__ = ["from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS"]

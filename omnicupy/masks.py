@@ -9,9 +9,10 @@ lookup tables), so one function serves both array modules.
     mod = masks.and_masks(masks.causal(), masks.document(doc_ids))
 
 Structure: most built-in masks allow, in every query row, one interval of keys,
-``start(q) <= kv_idx < end(q)`` ("row bounds"). From those intervals ``MaskMod.classify_blocks``
-finds, in O(N + blocks) and without evaluating any element, the blocks that are MASKED, FULL or
-CAUSAL; only the blocks cut by an interval end are evaluated element by element (builders.py).
+``start(q) <= kv_idx < end(q)`` ("row bounds"). From those intervals ``MaskMod.block_rows`` finds,
+with NumPy in O(N) plus its output and without evaluating any element, the window of kv blocks each
+q block can reach and which of them are FULL or CAUSAL; only the blocks cut by an interval end are
+evaluated element by element (builders.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from . import arrays
 from .block_mask import BlockType, cdiv
 from .errors import MaskError
 
-#: In a grid from ``classify_blocks``, PARTIAL means "cut by an interval end: evaluate the
+#: In types from ``block_rows``, PARTIAL means "cut by an interval end: evaluate the
 #: elements". Evaluation then turns each such block into its true type (which may be any).
 EVALUATE = int(BlockType.PARTIAL)
 MASKED, CAUSAL, FULL = int(BlockType.MASKED), int(BlockType.CAUSAL), int(BlockType.FULL)
@@ -39,7 +40,7 @@ class MaskMod:
     ``bounds(b, h, q_idx) -> (start, end)``: every allowed kv of row ``q_idx`` lies in
     ``[start, end)``; when ``bounds_exact``, every kv in that range is allowed too (with
     ``bounds_exact=False`` the interval only rules blocks out). The bounds must broadcast over every
-    (b, h) the mask depends on. ``length`` is the number of positions the mask is defined for (its
+    (b, h) the mask depends on; they are called with NumPy arrays (O(N) work, on the host). ``length`` is the number of positions the mask is defined for (its
     lookup tables' length; None: any), ``batch`` the number of batch rows it has data for (None: it
     does not depend on b). ``cuda_expr`` is the rule as a CUDA C expression, for later fusion into
     the kernel; nothing reads it yet.
@@ -73,34 +74,59 @@ class MaskMod:
             raise MaskError(f"mask_mod {self.name} has per-batch data for {self.batch} rows; "
                             f"pass B={self.batch} (got B={B})")
 
-    def classify_blocks(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int, kv_block_size: int,
-                        xp: Any = np) -> Optional[Any]:
-        """Block types ``[Bs, Hs, nQB, nKVB]`` (int8, Bs in {1, B}, Hs in {1, H}) from the row bounds,
-        or None when the structure is unknown. MASKED, FULL and CAUSAL entries are exact; EVALUATE
-        (PARTIAL) entries need their elements evaluated. Only real positions (< q_len, < kv_len)
-        count, like the element-level classification."""
+    def block_rows(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int,
+                   kv_block_size: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """The block types from the row bounds, row by row, or None when the structure is unknown:
+        ``(first, types)``, ``first`` ``[Bs, Hs, nQB]`` and ``types`` ``[Bs, Hs, nQB, C]`` (int8,
+        Bs in {1, B}, Hs in {1, H}), where ``types[..., s]`` is the type of kv block ``first + s``
+        and every block outside a row's window is MASKED. MASKED, FULL and CAUSAL are exact;
+        EVALUATE (PARTIAL) blocks need their elements evaluated. Only real positions (< q_len,
+        < kv_len) count, like the element-level classification. NumPy, O(N + the output)."""
         if self.bounds is None:
             return None
-        nqb, nkvb = cdiv(q_len, q_block_size), cdiv(kv_len, kv_block_size)
+        qbs, kbs = q_block_size, kv_block_size
+        nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
         # Padding rows repeat the last real row, so per-block min / max / all see only real rows.
-        q = xp.minimum(xp.arange(nqb * q_block_size), q_len - 1).reshape(1, 1, -1)
-        start, end = self.bounds(xp.arange(B).reshape(-1, 1, 1), xp.arange(H).reshape(1, -1, 1), q)
-        start, end, q = xp.broadcast_arrays(xp.asarray(start), xp.asarray(end), q)
-        rows = start.shape[:2] + (nqb, q_block_size)
+        q = np.arange(nqb * qbs).reshape(1, 1, -1)
+        q[..., q_len:] = q_len - 1
+        start, end = self.bounds(np.arange(B).reshape(-1, 1, 1), np.arange(H).reshape(1, -1, 1), q)
+        start, end, q = np.broadcast_arrays(np.asarray(start), np.asarray(end), q)
+        rows = start.shape[:2] + (nqb, qbs)
         start, end, q = (a.reshape(rows) for a in (start, end, q))
-        kv_lo = xp.arange(nkvb) * kv_block_size
-        kv_hi = xp.minimum(kv_lo + kv_block_size, kv_len) - 1
-        # Every row's interval misses the block -> MASKED.
-        masked = (start.min(-1)[..., None] > kv_hi) | (end.max(-1)[..., None] <= kv_lo)
-        if not self.bounds_exact:
-            return xp.where(masked, MASKED, EVALUATE).astype(np.int8)
-        starts_before = start.max(-1)[..., None] <= kv_lo
-        # Every row's interval covers the block -> FULL.
-        full = starts_before & (end.min(-1)[..., None] > kv_hi)
-        # Every row ends at its own diagonal (end = q + 1) and starts before the block: the allowed
-        # set is exactly q_idx >= kv_idx. Blocks with none or all of it allowed were caught above.
-        causal = starts_before & (end == q + 1).all(-1)[..., None]
-        return xp.where(masked, MASKED, xp.where(full, FULL, xp.where(causal, CAUSAL, EVALUATE))).astype(np.int8)
+        lo_start, hi_start, lo_end, hi_end = start.min(-1), start.max(-1), end.min(-1), end.max(-1)
+        # The window: the blocks with a column in [lo_start, hi_end), the hull of the rows'
+        # intervals; the others are MASKED. Block k's columns are [k * kbs, min((k + 1) * kbs, kv_len)).
+        first = np.where(lo_start < kv_len, np.maximum(lo_start // kbs, 0), nkvb)
+        width = np.clip(-(-hi_end // kbs), first, nkvb) - first
+        if self.bounds_exact:
+            # In the window (offsets from `first`): blocks from `after` on begin at or after every
+            # row's start, blocks before `before` end before every row's end, so those in between are
+            # FULL. When every row ends at its diagonal (end = q + 1), the blocks from `before` on
+            # allow exactly q_idx >= kv_idx: CAUSAL. The rest are cut by a start or an end: EVALUATE.
+            after = np.clip(-(-hi_start // kbs) - first, 0, width)
+            before = np.clip(np.where(lo_end >= kv_len, nkvb, lo_end // kbs) - first, after, width)
+            tail = np.where((end == q + 1).all(-1), CAUSAL, EVALUATE)
+        else:
+            after = before = width
+            tail = np.full(width.shape, EVALUATE)
+        # Each row is four runs: EVALUATE, FULL, CAUSAL or EVALUATE, MASKED (to a common width).
+        cols = max(int(width.max()), 1)
+        runs = np.stack([after, before - after, width - before, cols - width], axis=-1)
+        kinds = np.stack(np.broadcast_arrays(EVALUATE, FULL, tail, MASKED), axis=-1).astype(np.int8)
+        types = np.repeat(kinds.reshape(-1), runs.reshape(-1)).reshape(first.shape + (cols,))
+        return first, types
+
+    def classify_blocks(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int, kv_block_size: int,
+                        xp: Any = np) -> Optional[Any]:
+        """``block_rows`` as a dense grid ``[Bs, Hs, nQB, nKVB]`` (int8, in ``xp``), for inspection."""
+        found = self.block_rows(B, H, q_len, kv_len, q_block_size, kv_block_size)
+        if found is None:
+            return None
+        first, types = found
+        grid = np.zeros(first.shape + (cdiv(kv_len, kv_block_size),), dtype=np.int8)
+        b, h, q, s = np.nonzero(types)
+        grid[b, h, q, first[b, h, q] + s] = types[b, h, q, s]
+        return xp.asarray(grid)
 
 
 class _Table:

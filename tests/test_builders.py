@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from omnicupy import BlockMask, arrays, builders, masks
-from omnicupy.block_mask import BlockType
+from omnicupy.block_mask import BlockType, cdiv, validate_metadata
 from omnicupy.errors import MaskError
 from omnicupy.reference import dense_mask_from_mod
 
@@ -117,6 +117,32 @@ def test_structure_skips_evaluation_outside_cut_blocks():
     np.testing.assert_array_equal(bm.to_dense()[0, 0], np.tri(1024, dtype=bool))
 
 
+def per_block_rule(mod, q_len, kv_len, qbs, kbs) -> np.ndarray:
+    """What the row bounds say about each block ([nQB, nKVB]), block by block: MASKED when every
+    row's interval misses it, FULL when every one covers it, CAUSAL when every row starts before it
+    and ends at its diagonal, else EVALUATE."""
+    q = np.minimum(np.arange(cdiv(q_len, qbs) * qbs), q_len - 1)
+    start, end = (np.broadcast_to(a, q.shape).reshape(-1, qbs) for a in mod.bounds(0, 0, q))
+    kv_lo = np.arange(cdiv(kv_len, kbs)) * kbs
+    kv_hi = np.minimum(kv_lo + kbs, kv_len) - 1
+    masked = (start.min(1)[:, None] > kv_hi) | (end.max(1)[:, None] <= kv_lo)
+    starts_before = start.max(1)[:, None] <= kv_lo
+    full = starts_before & (end.min(1)[:, None] > kv_hi) & mod.bounds_exact
+    causal = starts_before & (end == q.reshape(-1, qbs) + 1).all(1)[:, None] & mod.bounds_exact
+    return np.select([masked, full, causal], [BlockType.MASKED, BlockType.FULL, BlockType.CAUSAL], masks.EVALUATE)
+
+
+@pytest.mark.parametrize("qbs, kbs", BLOCKS + [(16, 32), (128, 32)], ids=lambda b: str(b))
+@pytest.mark.parametrize("q_len, kv_len", SIZES + [(513, 1025)], ids=lambda s: str(s))
+@pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES if f(1, 1).bounds is not None])
+def test_block_rows_follow_the_per_block_rule(factory, q_len, kv_len, qbs, kbs):
+    """The windows hold exactly the blocks the rule does not mask, with the rule's types: nothing
+    FULL or CAUSAL is left to evaluate."""
+    mod = factory(q_len, kv_len)
+    grid = mod.classify_blocks(1, 1, q_len, kv_len, qbs, kbs)[0, 0]
+    np.testing.assert_array_equal(grid, per_block_rule(mod, q_len, kv_len, qbs, kbs))
+
+
 def test_evaluation_is_chunked(monkeypatch):
     monkeypatch.setattr(builders, "CHUNK_ELEMENTS", 64 * 64 * 3)
     sizes = []
@@ -160,6 +186,18 @@ def test_numpy_only_mask_mod_falls_back_to_host_evaluation():
         assert builders._evaluation_module(lambda b, h, q, kv: table[q] == table[kv], _FakeDeviceModule) is np
     assert builders._evaluation_module(lambda b, h, q, kv: True, _FakeDeviceModule) is _FakeDeviceModule
     assert builders._evaluation_module(lambda b, h, q, kv: table[q] == table[kv], np) is np
+
+
+def test_device_probe_runs_once_per_mask_mod():
+    calls = []
+
+    def counting(b, h, q_idx, kv_idx):
+        calls.append(1)
+        return True
+
+    for _ in range(3):
+        assert builders._evaluation_module(counting, _FakeDeviceModule) is _FakeDeviceModule
+    assert len(calls) == 1
 
 
 # ---------------------------------------------------------------- property-based: random mask_mods
@@ -302,6 +340,21 @@ def test_from_flex_round_trip(factory):
     again = BlockMask.from_flex(*as_flex_tuple(bm), q_len=300, kv_len=333, q_block_size=64, kv_block_size=64,
                                 mask_mod=mod)
     assert_same_metadata(again, bm)
+
+
+@pytest.mark.parametrize("factory", CASE_PARAMS)
+@pytest.mark.parametrize("use_structure", [True, False], ids=["structured", "generic"])
+def test_builders_emit_valid_metadata_and_features(factory, use_structure):
+    """Builders skip BlockMask's value checks (their output is valid by construction): the full
+    checks pass on it, and find the features the builder declared."""
+    bm = builders.from_mask_mod(factory(300, 333), 2, None, 300, 333, q_block_size=64, kv_block_size=64,
+                                use_structure=use_structure)
+    again = BlockMask.from_flex(*as_flex_tuple(bm), q_len=300, kv_len=333, q_block_size=64, kv_block_size=64,
+                                mask_mod=bm.mask_mod)
+    for built in (bm, again):
+        metadata = [getattr(built, name) for name in META]
+        assert validate_metadata(*metadata, num_kv_blocks=built.num_kv_blocks) == built.features
+        assert built.features.partial == (built.partial_block_masks is not None)
 
 
 # --------------------------------------------------------------------------------- inspection
