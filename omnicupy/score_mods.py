@@ -81,7 +81,9 @@ def softcap(cap: float) -> ScoreMod:
     def numpy_fn(score, b, h, q_idx, kv_idx):
         return cap * np.tanh(score / cap)
 
-    return ScoreMod(CudaExpr.make("SOFTCAP * tanhf(score / SOFTCAP)", {"SOFTCAP": cap}), numpy_fn, f"softcap_{cap:g}")
+    # tanh_fast (kernels/ptx.cuh): ex2 + rcp instead of tanhf, which cost 3-4x the whole kernel.
+    expr = CudaExpr.make("SOFTCAP * omni::tanh_fast(score * SOFTCAP_INV)", {"SOFTCAP": cap, "SOFTCAP_INV": 1.0 / cap})
+    return ScoreMod(expr, numpy_fn, f"softcap_{cap:g}")
 
 
 __all__ = ["ScoreMod", "cuda_score", "alibi", "alibi_slopes", "softcap"]

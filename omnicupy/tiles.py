@@ -30,7 +30,7 @@ TUNED: dict[tuple[int, int], Tile] = {
     (256, 1): Tile(64, 32, 4), (256, 2): Tile(64, 64, 4),
 }
 
-#: Tiles for variants with per-score extras (bias, score modifier, fused mask expression): the extra
+#: Tiles for variants with per-score extras (bias, score modifier): the extra
 #: registers those need push the largest tiles above into spills (tools/ptxas_report.py).
 FEATURE_TILES: dict[tuple[int, int], Tile] = {
     (32, 1): Tile(128, 64, 4), (32, 2): Tile(128, 64, 4),
@@ -79,7 +79,9 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
         stages = DEFAULT_STAGES[head_dim]
     if stages not in (1, 2):
         raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
-    extras = bias is not None or mask_expr is not None or score_expr is not None
+    # A fused mask expression keeps the tile of the stored-bits kernel, so that the two give
+    # bit-identical outputs; per-score work (bias, score modifier) needs the leaner feature tiles.
+    extras = bias is not None or score_expr is not None
     tile = select_tile(head_dim, stages, q_block_size, kv_block_size, extras)
     return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, stages, causal, partial, bias, mask_expr, score_expr)
 
