@@ -57,6 +57,15 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// tanh(x) = 1 - 2 / (2^(2x log2 e) + 1): two MUFU ops instead of tanhf's long accurate sequence;
+// relative error a few ulp, saturating to +-1 (2^x overflows to inf, then 2/inf = 0).
+__device__ __forceinline__ float tanh_fast(float x) {
+  float r;
+  const float e = exp2_approx(2.f * 1.4426950408889634f * x);
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
+  return fmaf(-2.f, r, 1.f);
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ u32 shfl_xor(u32 v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }

@@ -13,10 +13,12 @@ from ._version import __version__
 from .api import attention, omni_attn_mma_blockmask
 from .block_mask import BlockMask, BlockType
 from .errors import ArgumentError, CompileError, MaskError, NoGPUError, OmnicupyError
+from .expressions import cuda_mask
 from . import reference
 
 __all__ = [
     "__version__", "attention", "omni_attn_mma_blockmask", "BlockMask", "BlockType", "reference", "masks",
+    "score_mods", "cuda_mask", "cuda_score",
     "ArgumentError", "CompileError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 
@@ -24,6 +26,10 @@ _LAZY_SUBMODULES = {"masks", "builders", "cli", "jit", "tiles", "score_mods"}
 
 
 def __getattr__(name: str):
+    if name == "cuda_score":
+        from .score_mods import cuda_score
+
+        return cuda_score
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'omnicupy' has no attribute {name!r}")

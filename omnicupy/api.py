@@ -11,11 +11,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import arrays, jit, tiles
+from . import arrays, expressions, jit, tiles
 from .block_mask import BlockMask, DeviceMetadata
-from .errors import ArgumentError, MaskError, NoGPUError
+from .errors import ArgumentError, CompileError, MaskError, NoGPUError
 
 MAX_GRID_YZ = 65535  # heads ride on grid.y, batch on grid.z
+CAUSAL_MODES = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
+BIAS_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
+if arrays.BFLOAT16 is not None:
+    BIAS_DTYPES[arrays.BFLOAT16] = "bf16"
 
 
 @dataclass(frozen=True)
@@ -133,21 +137,58 @@ def _check_scale(scale: Optional[float], head_dim: int) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _builtin_mask(causal: bool, q_len: int, kv_len: int) -> BlockMask:
-    return BlockMask.causal(q_len, kv_len) if causal else BlockMask.full(q_len, kv_len)
+def _builtin_mask(mode: Optional[str], q_len: int, kv_len: int) -> BlockMask:
+    if mode is None:
+        return BlockMask.full(q_len, kv_len)
+    return BlockMask.causal(q_len, kv_len, bottom_right=mode == "bottom_right")
 
 
 def _resolve_mask(block_mask: Optional[BlockMask], causal: Any, inp: _Inputs) -> BlockMask:
-    if causal not in (False, True):
-        raise ArgumentError(f"causal must be True or False, got {causal!r}")
+    try:
+        mode = CAUSAL_MODES[causal]
+    except (KeyError, TypeError):
+        raise ArgumentError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}") from None
     if block_mask is None:
-        return _builtin_mask(bool(causal), inp.q_len, inp.kv_len)
-    if causal:
-        raise ArgumentError("pass either block_mask or causal=True, not both (build a causal BlockMask instead)")
+        return _builtin_mask(mode, inp.q_len, inp.kv_len)
+    if mode is not None:
+        raise ArgumentError("pass either block_mask or causal, not both (build a causal BlockMask instead)")
     if not isinstance(block_mask, BlockMask):
         raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(block_mask).__name__}")
     check_mask_matches(block_mask, inp)
     return block_mask
+
+
+@dataclass(frozen=True)
+class _Bias:
+    array: Any  # NumPy or CuPy, 3-D [B|1, H|1, Nkv] or 4-D [B|1, H|1, Nq, Nkv]
+    dtype: str
+
+
+def _check_bias(bias: Any, inp: _Inputs) -> Optional[_Bias]:
+    """A vector bias [B|1, H|1, Nkv] or a matrix bias [B|1, H|1, Nq, Nkv] in fp16, bf16 or fp32."""
+    if bias is None:
+        return None
+    bias = _as_array(bias, "bias")
+    dtype = BIAS_DTYPES.get(np.dtype(bias.dtype))
+    if dtype is None:
+        raise ArgumentError(f"bias must be float16, bfloat16 or float32, got dtype {bias.dtype}")
+    if bias.ndim not in (3, 4):
+        raise ArgumentError(f"bias must be [B|1, H|1, Nkv] or [B|1, H|1, Nq, Nkv], got shape {tuple(bias.shape)}")
+    want = (inp.batch, inp.heads) + ((inp.q_len,) if bias.ndim == 4 else ()) + (inp.kv_len,)
+    for dim, (got, full) in enumerate(zip(bias.shape, want)):
+        if got != full and not (got == 1 and dim < len(want) - 1):
+            raise ArgumentError(f"bias shape {tuple(bias.shape)} does not broadcast to {want} (dim {dim})")
+    return _Bias(bias, dtype)
+
+
+def _check_score_mod(score_mod: Any) -> Optional[expressions.CudaExpr]:
+    if score_mod is None:
+        return None
+    expr = getattr(score_mod, "cuda", None)
+    if not isinstance(expr, expressions.CudaExpr):
+        raise ArgumentError("score_mod must come from omnicupy.score_mods (alibi, softcap, cuda_score), "
+                            f"got {type(score_mod).__name__}")
+    return expr
 
 
 def check_mask_matches(bm: BlockMask, inp: _Inputs) -> None:
@@ -187,10 +228,29 @@ def _device_out(out: Any, inp: _Inputs):
     return out, None
 
 
-def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: float, stages: Optional[int]) -> None:
-    variant = tiles.select_variant(inp.head_dim, inp.dtype, stages, bm.q_block_size, bm.kv_block_size,
-                                   bm.features.causal, bm.features.partial)
-    kernel = jit.get_kernel(variant)
+@dataclass(frozen=True)
+class _Extras:
+    """Per-score work beyond the block mask: bias, a score modifier, a fused mask expression."""
+
+    bias: Optional[_Bias] = None
+    score_expr: Optional[expressions.CudaExpr] = None
+    mask_expr: Optional[expressions.CudaExpr] = None
+
+
+def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: float, stages: Optional[int],
+            extras: _Extras = _Extras()) -> None:
+    variant = tiles.select_variant(
+        inp.head_dim, inp.dtype, stages, bm.q_block_size, bm.kv_block_size, bm.features.causal, bm.features.partial,
+        bias=extras.bias.dtype if extras.bias else None,
+        mask_expr=extras.mask_expr.key if extras.mask_expr else None,
+        score_expr=extras.score_expr.key if extras.score_expr else None)
+    try:
+        kernel = jit.get_kernel(variant)
+    except CompileError as exc:
+        exprs = [e.text for e in (extras.mask_expr, extras.score_expr) if e is not None]
+        if not exprs:
+            raise
+        raise CompileError(f"the CUDA expression(s) {exprs} did not compile:\n{exc}") from None
     Bm, Hm = meta.kv_indices.shape[:2]  # may be 1 where the BlockMask broadcasts by stride
     item = inp.q.itemsize
 
@@ -198,17 +258,30 @@ def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: fl
         return [np.int64(s // item) for s in x.strides[:3]]
 
     null = np.uint64(0)
+    # With per-score work the kernel scales scores itself and the softmax runs in natural units.
+    transform = extras.bias is not None or extras.score_expr is not None
+    scale_log2 = math.log2(math.e) * (1.0 if transform else scale)
+    bias_args = [null, np.int64(0), np.int64(0), np.int64(0), np.int64(0)]
+    if extras.bias is not None:
+        b = arrays.to_cupy(extras.bias.array, "bias")
+        _check_device(b, "bias")
+        st = [s // b.itemsize if n > 1 else 0 for s, n in zip(b.strides, b.shape)]
+        if b.ndim == 3:  # vector bias: the same row for every query
+            st = st[:2] + [0] + st[2:]
+        bias_args = [b] + [np.int64(x) for x in st]
+    expr_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     args = (
         inp.q, inp.k, inp.v, o, null if lse is None else lse,
         *strides(inp.q), *strides(inp.k), *strides(inp.v), *strides(o),
         np.int32(inp.heads), np.int32(inp.q_len), np.int32(inp.kv_len), np.int32(inp.heads // inp.kv_heads),
-        np.float32(scale * math.log2(math.e)),
+        np.float32(scale_log2),
         meta.kv_num_blocks, meta.kv_indices, meta.block_mask_types,
         null if meta.partial_block_mask_indices is None else meta.partial_block_mask_indices,
         null if meta.partial_block_masks is None else meta.partial_block_masks,
         np.int32(Hm), np.int32(1 if Bm > 1 else 0), np.int32(1 if Hm > 1 else 0),
         np.int32(bm.num_q_blocks), np.int32(bm.max_blocks),
         np.int32(bm.q_block_size), np.int32(bm.kv_block_size),
+        np.float32(scale), *bias_args, *expr_arrays,
     )
     grid = (bm.q_len // variant.br + (bm.q_len % variant.br > 0), inp.heads, inp.batch)
     kernel(grid, (variant.threads,), args, shared_mem=variant.smem_bytes)
@@ -225,13 +298,24 @@ def attention(
     return_lse: bool = False,
     stages: Optional[int] = None,
     out: Any = None,
+    bias: Any = None,
+    score_mod: Any = None,
+    fuse_mask: bool = True,
 ):
     """Exact softmax attention under a block-sparse mask.
 
     q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` in float16 or bfloat16, last dim contiguous, other
-    strides free. ``block_mask`` (an omnicupy.BlockMask) or ``causal=True`` (``q_idx >= kv_idx``)
-    selects the allowed pairs; neither means full attention. ``scale`` defaults to ``1/sqrt(D)``.
+    strides free. ``block_mask`` (an omnicupy.BlockMask) or ``causal`` selects the allowed pairs;
+    neither means full attention. ``causal=True`` (or ``"top_left"``) is ``q_idx >= kv_idx``
+    (flex-attention's convention); ``causal="bottom_right"`` is ``q_idx + Nkv - Nq >= kv_idx``
+    (FlashAttention-2's, for prefill against a KV cache). ``scale`` defaults to ``1/sqrt(D)``.
     ``stages`` picks the kernel pipeline (1: shared K/V buffer, 2: prefetch; None: tuned default).
+
+    ``bias`` (fp16, bf16 or fp32; ``[B|1, H|1, Nkv]`` or ``[B|1, H|1, Nq, Nkv]``, any strides) is added
+    to the scaled scores; ``score_mod`` (from omnicupy.score_mods) then modifies them; the mask
+    comes last. When the BlockMask's mask_mod carries a CUDA expression (built-in masks,
+    omnicupy.cuda_mask), PARTIAL blocks evaluate it in the kernel instead of loading stored bits
+    (``fuse_mask=False`` keeps the bits).
 
     NumPy inputs give NumPy outputs; anything else (CuPy, DLPack, CUDA array interface) gives CuPy
     arrays on the current device, computed on the current stream. Returns ``out`` or, with
@@ -245,12 +329,18 @@ def attention(
     if stages not in (None, 1, 2):
         raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
     out = _check_out(out, inp)
+    extras = _Extras(
+        bias=_check_bias(bias, inp),
+        score_expr=_check_score_mod(score_mod),
+        mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial else None,
+    )
+    expressions.merge_names(extras.mask_expr, extras.score_expr)
     _require_gpu()  # every check above runs without a GPU for NumPy inputs
     inp = _on_device(inp)
     o, copy_into = _device_out(out, inp)
     cp = arrays.cupy_module()
     lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
-    _launch(inp, o, lse, bm, bm.device_metadata(), scale, stages)
+    _launch(inp, o, lse, bm, bm.device_metadata(), scale, stages, extras)
     if copy_into is not None:
         if arrays.is_numpy(copy_into):
             copy_into[...] = o.get()

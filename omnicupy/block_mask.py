@@ -306,9 +306,26 @@ class BlockMask:
         return cls._from_block_rule(q_len, kv_len, q_block_size, kv_block_size, causal=False)
 
     @classmethod
-    def causal(cls, q_len: int, kv_len: int, *, q_block_size: int = 128, kv_block_size: int = 128) -> "BlockMask":
-        """``q_idx >= kv_idx`` (top-left aligned, flex-attention's convention)."""
-        return cls._from_block_rule(q_len, kv_len, q_block_size, kv_block_size, causal=True)
+    def causal(cls, q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size: int = 128,
+               kv_block_size: int = 128) -> "BlockMask":
+        """``q_idx >= kv_idx`` (top-left aligned, flex-attention's convention), or with
+        ``bottom_right`` ``q_idx + kv_len - q_len >= kv_idx`` (the last query sees the last key,
+        FlashAttention-2's convention for prefill against a KV cache)."""
+        offset = kv_len - q_len if bottom_right else 0
+        if offset == 0:
+            return cls._from_block_rule(q_len, kv_len, q_block_size, kv_block_size, causal=True)
+        # The shifted diagonal is not the CAUSAL block pattern: its blocks become PARTIAL, built by
+        # the structured path and evaluated in the kernel from the expression.
+        from . import builders
+        from .masks import MaskMod
+
+        def causal_bottom_right(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        mod = MaskMod(causal_bottom_right, f"causal_bottom_right_{offset}", bounds=lambda b, h, q: (0, q + offset + 1),
+                      cuda_expr=f"q_idx + ({offset}) >= kv_idx")
+        return builders.from_mask_mod(mod, None, None, q_len, kv_len, q_block_size=q_block_size,
+                                      kv_block_size=kv_block_size)
 
     @classmethod
     def _from_block_rule(cls, q_len, kv_len, q_block_size, kv_block_size, *, causal: bool) -> "BlockMask":

@@ -46,8 +46,8 @@ def attention(
 
     q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` with ``Hq % Hkv == 0`` (query head h reads kv head
     ``h // (Hq // Hkv)``). ``mask`` is a boolean array broadcastable to ``[B, Hq, Nq, Nkv]`` or a
-    ``mask_mod(b, h, q_idx, kv_idx)`` callable; None means full attention. ``bias`` broadcasts to
-    ``[B, Hq, Nq, Nkv]`` and is added after scaling; ``score_mod(score, b, h, q_idx, kv_idx)`` (NumPy
+    ``mask_mod(b, h, q_idx, kv_idx)`` callable; None means full attention. ``bias`` (``[B|1, H|1, Nkv]``
+    or ``[B|1, H|1, Nq, Nkv]``) is added after scaling; ``score_mod(score, b, h, q_idx, kv_idx)`` (NumPy
     form) is applied after that. Returns ``out`` (float64) or ``(out, lse)`` with natural-log LSE.
     """
     q64, k64, v64 = _as_float64(q, "q"), _as_float64(k, "k"), _as_float64(v, "v")
@@ -62,7 +62,12 @@ def attention(
     else:
         mask_mod = None
         dense = None if mask is None else np.broadcast_to(arrays.to_numpy(mask).astype(bool), (B, Hq, Nq, Nkv))
-    bias64 = None if bias is None else np.broadcast_to(arrays.to_numpy(bias).astype(np.float64), (B, Hq, Nq, Nkv))
+    bias64 = None
+    if bias is not None:
+        bias64 = arrays.to_numpy(bias).astype(np.float64)
+        if bias64.ndim == 3:  # a vector bias [B|1, H|1, Nkv]: the same row for every query
+            bias64 = bias64[:, :, None, :]
+        bias64 = np.broadcast_to(bias64, (B, Hq, Nq, Nkv))
 
     out = np.zeros((B, Hq, Nq, v64.shape[3]), dtype=np.float64)
     lse = np.full((B, Hq, Nq), -np.inf, dtype=np.float64)

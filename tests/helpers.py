@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from omnicupy import BlockMask, BlockType
+import omnicupy
+from omnicupy import BlockMask, BlockType, reference
 from omnicupy.arrays import BFLOAT16
 from omnicupy.block_mask import cdiv
 
@@ -93,3 +94,35 @@ def shuffled(bm: BlockMask, rng) -> BlockMask:
                      kv_block_size=bm.kv_block_size,
                      partial_block_mask_indices=None if pidx is None else new_pidx,
                      partial_block_masks=bm.partial_block_masks)
+
+
+def run_and_check(q, k, v, dense, dtype, *, block_mask=None, causal=False, stages=None, scale=None,
+                  check_lse=True, strided=False, bias=None, score_mod=None, fuse_mask=True):
+    """Run omnicupy on device copies (optionally as strided BNHD views) with a NaN-poisoned output
+    buffer, and compare output and LSE with the float64 reference. Returns (error, output)."""
+    import cupy as cp
+
+    def device(x):
+        if not strided:
+            return cp.asarray(x)
+        # A [B, N, H, D] buffer viewed as [B, H, N, D]: strides are not those of a contiguous array.
+        return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    qd, kd, vd = device(q), device(k), device(v)
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)  # poisoned: every element must be written
+    got, lse = omnicupy.attention(qd, kd, vd, block_mask, causal=causal, stages=stages, scale=scale,
+                                  return_lse=True, out=out, bias=bias, score_mod=score_mod, fuse_mask=fuse_mask)
+    assert got is out
+    want, want_lse = reference.attention(q, k, v, dense, scale=scale, return_lse=True, bias=bias,
+                                         score_mod=score_mod)
+    got = got.get().astype(np.float64)
+    assert not np.isnan(got).any(), "unwritten or NaN output"
+    err = reference.relative_error(got, want)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}"
+    empty = ~np.broadcast_to(dense, want.shape[:3] + (dense.shape[-1],)).any(axis=-1)
+    assert np.all(got[empty] == 0), "rows with no allowed key must be exactly 0"
+    if check_lse:
+        lse = lse.get()
+        assert np.all(np.isneginf(lse[empty])), "empty rows must have LSE -inf"
+        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=2e-3, rtol=0)
+    return err, got

@@ -12,39 +12,11 @@ import omnicupy
 from omnicupy import BlockMask, reference
 from omnicupy.jit import SUPPORTED_HEAD_DIMS
 
-from helpers import TOLERANCE, random_block_mask, random_qkv
+from helpers import TOLERANCE, random_block_mask, random_qkv, run_and_check
 
 pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
-
-
-def run_and_check(q, k, v, dense, dtype, *, block_mask=None, causal=False, stages=None, scale=None,
-                  check_lse=True, strided=False):
-    """Run omnicupy on device copies (optionally as strided BNHD views) and compare with the reference."""
-    def device(x):
-        if not strided:
-            return cp.asarray(x)
-        # A [B, N, H, D] buffer viewed as [B, H, N, D]: strides are not those of a contiguous array.
-        return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-
-    qd, kd, vd = device(q), device(k), device(v)
-    out = cp.full(q.shape, np.nan, dtype=q.dtype)  # poisoned: every element must be written
-    got, lse = omnicupy.attention(qd, kd, vd, block_mask, causal=causal, stages=stages, scale=scale,
-                                  return_lse=True, out=out)
-    assert got is out
-    want, want_lse = reference.attention(q, k, v, dense, scale=scale, return_lse=True)
-    got = got.get().astype(np.float64)
-    assert not np.isnan(got).any(), "unwritten or NaN output"
-    err = reference.relative_error(got, want)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}"
-    empty = ~np.broadcast_to(dense, want.shape[:3] + (dense.shape[-1],)).any(axis=-1)
-    assert np.all(got[empty] == 0), "rows with no allowed key must be exactly 0"
-    if check_lse:
-        lse = lse.get()
-        assert np.all(np.isneginf(lse[empty])), "empty rows must have LSE -inf"
-        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=2e-3, rtol=0)
-    return err
 
 
 def mask_for(kind, rng, B, H, q_len, kv_len, qbs=128, kbs=128):

@@ -85,3 +85,37 @@ def test_relative_error_rejects_nan():
     expected = np.ones((2, 2))
     assert reference.relative_error(np.full((2, 2), np.nan), expected) == float("inf")
     assert reference.relative_error(expected * 1.001, expected) == pytest.approx(1e-3)
+
+
+def test_reference_bias_and_score_mod():
+    """Vector and matrix bias, then a score modifier, against the naive formula on modified scores."""
+    from omnicupy import score_mods
+
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, Nq, Nkv, D = 2, 4, 2, 5, 7, 8
+    q = rng.standard_normal((B, Hq, Nq, D))
+    k, v = rng.standard_normal((B, Hkv, Nkv, D)), rng.standard_normal((B, Hkv, Nkv, D))
+    vector = rng.standard_normal((1, Hq, Nkv))
+    matrix = rng.standard_normal((B, 1, Nq, Nkv))
+    mod = score_mods.softcap(2.0)
+    qi, ki = np.arange(Nq)[:, None], np.arange(Nkv)[None, :]
+    for bias, full in ((vector, np.broadcast_to(vector[:, :, None], (B, Hq, Nq, Nkv))),
+                       (matrix, np.broadcast_to(matrix, (B, Hq, Nq, Nkv)))):
+        out = reference.attention(q, k, v, qi + 2 >= ki, scale=0.5, bias=bias, score_mod=mod)
+        want = np.zeros_like(out)
+        for b in range(B):
+            for h in range(Hq):
+                s = 0.5 * q[b, h] @ k[b, h // 2].T + full[b, h]
+                s = np.where(qi + 2 >= ki, 2.0 * np.tanh(s / 2.0), -np.inf)
+                p = np.exp(s - s.max(axis=1, keepdims=True))
+                want[b, h] = (p / p.sum(axis=1, keepdims=True)) @ v[b, h // 2]
+        np.testing.assert_allclose(out, want, rtol=1e-12)
+
+
+def test_alibi_numpy_form():
+    from omnicupy import score_mods
+
+    mod = score_mods.alibi(8)
+    s = np.zeros((3, 4))
+    got = mod(s, 0, 5, np.arange(3)[:, None], np.arange(4)[None, :])
+    np.testing.assert_allclose(got, 2.0 ** (-8 * 6 / 8) * (np.arange(4)[None, :] - np.arange(3)[:, None]))

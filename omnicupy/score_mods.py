@@ -1,0 +1,89 @@
+"""Score modifiers fused into the kernel: ``score -> f(score, b, h, q_idx, kv_idx)``.
+
+``score`` is the scaled q·k plus any additive bias; masking comes after the modifier. Each
+modifier carries a CUDA expression (rendered into the kernel) and a NumPy form, so that
+``omnicupy.reference.attention(..., score_mod=mod)`` checks it:
+
+    out = omnicupy.attention(q, k, v, causal=True, score_mod=score_mods.softcap(30.0))
+    ref = omnicupy.reference.attention(q, k, v, mask, score_mod=score_mods.softcap(30.0))
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from . import arrays
+from .errors import ArgumentError
+from .expressions import CudaExpr, _elementwise
+
+
+class ScoreMod:
+    """A score modifier: ``cuda`` (a CudaExpr over score, b, h, q_idx, kv_idx) and, when known, the
+    same function for NumPy (``numpy_fn(score, b, h, q_idx, kv_idx)``). Calling it evaluates the NumPy
+    form, or the CUDA expression on the GPU when there is no NumPy form."""
+
+    def __init__(self, expr: CudaExpr, numpy_fn: Optional[Callable] = None, name: Optional[str] = None) -> None:
+        self.cuda = expr
+        self.numpy_fn = numpy_fn
+        self.name = self.__name__ = name or f"cuda_score_{expr.digest}"
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({self.name}: {self.cuda.text!r})"
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        if self.numpy_fn is not None and not arrays.is_cupy(score):
+            return self.numpy_fn(score, b, h, q_idx, kv_idx)
+        if not arrays.gpu_available():
+            raise ArgumentError(f"{self!r} has no NumPy form and needs a GPU to evaluate")
+        cp = arrays.cupy_module()
+        args = [cp.asarray(x) for x in (score, b, h, q_idx, kv_idx)]
+        out = _elementwise(self.cuda, "float32 out", "out = (", ")", with_score=True)(*args)
+        return out if arrays.is_cupy(score) else out.get()
+
+
+def cuda_score(expr: str, constants: Optional[Mapping[str, Any]] = None, arrays: Optional[Mapping[str, Any]] = None,
+               *, numpy_fn: Optional[Callable] = None, name: Optional[str] = None) -> ScoreMod:
+    """A score modifier from a CUDA C expression over ``score, b, h, q_idx, kv_idx`` (floats and ints)."""
+    return ScoreMod(CudaExpr.make(expr, constants, arrays), numpy_fn, name)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi slopes ``2^(-8 (h + 1) / H)`` (attention-gym's form, for any number of heads)."""
+    return np.exp2(-8.0 * (np.arange(num_heads) + 1) / num_heads)
+
+
+def alibi(num_heads: int) -> ScoreMod:
+    """ALiBi: ``score + slope[h] * (kv_idx - q_idx)`` with ``slope[h] = 2^(-8 (h + 1) / H)``."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ArgumentError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
+    H = int(num_heads)
+    slopes = alibi_slopes(H)
+
+    def numpy_fn(score, b, h, q_idx, kv_idx):
+        return score + slopes[np.asarray(h)] * (np.asarray(kv_idx) - np.asarray(q_idx))
+
+    expr = CudaExpr.make("score + exp2f(-8.0f * (float)(h + 1) / (float)ALIBI_HEADS) * (float)(kv_idx - q_idx)",
+                         {"ALIBI_HEADS": H})
+    return ScoreMod(expr, numpy_fn, f"alibi_{H}")
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Tanh soft-capping (Gemma 2): ``cap * tanh(score / cap)``."""
+    try:
+        cap = float(cap)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"softcap: cap must be a positive float, got {cap!r}") from None
+    if not math.isfinite(cap) or cap <= 0:
+        raise ArgumentError(f"softcap: cap must be a positive finite float, got {cap!r}")
+
+    def numpy_fn(score, b, h, q_idx, kv_idx):
+        return cap * np.tanh(score / cap)
+
+    # tanh_fast (kernels/ptx.cuh): ex2 + rcp instead of tanhf, which cost 3-4x the whole kernel.
+    expr = CudaExpr.make("SOFTCAP * omni::tanh_fast(score * SOFTCAP_INV)", {"SOFTCAP": cap, "SOFTCAP_INV": 1.0 / cap})
+    return ScoreMod(expr, numpy_fn, f"softcap_{cap:g}")
+
+
+__all__ = ["ScoreMod", "cuda_score", "alibi", "alibi_slopes", "softcap"]
