@@ -300,7 +300,7 @@ def attention(
     out: Any = None,
     bias: Any = None,
     score_mod: Any = None,
-    fuse_mask: bool = True,
+    fuse_mask: bool = False,
 ):
     """Exact softmax attention under a block-sparse mask.
 
@@ -313,9 +313,10 @@ def attention(
 
     ``bias`` (fp16, bf16 or fp32; ``[B|1, H|1, Nkv]`` or ``[B|1, H|1, Nq, Nkv]``, any strides) is added
     to the scaled scores; ``score_mod`` (from omnicupy.score_mods) then modifies them; the mask
-    comes last. When the BlockMask's mask_mod carries a CUDA expression (built-in masks,
-    omnicupy.cuda_mask), PARTIAL blocks evaluate it in the kernel instead of loading stored bits
-    (``fuse_mask=False`` keeps the bits).
+    comes last. With ``fuse_mask=True``, when the BlockMask's mask_mod carries a CUDA expression
+    (simple built-in masks, omnicupy.cuda_mask), PARTIAL blocks evaluate it in the kernel instead of
+    loading the stored bits; the output is bit-identical. Stored bits are the default because they
+    measured faster (NOTES.md, "Fused mask expressions").
 
     NumPy inputs give NumPy outputs; anything else (CuPy, DLPack, CUDA array interface) gives CuPy
     arrays on the current device, computed on the current stream. Returns ``out`` or, with

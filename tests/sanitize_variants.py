@@ -4,7 +4,9 @@
     compute-sanitizer --tool racecheck python3 tests/sanitize_variants.py
 
 Each variant gets a mask with exactly its features (plain: full; causal: causal; partial: random
-full/partial blocks; both: a random mix) at odd lengths, so tails and every mask path run.
+full/partial blocks; both: a random mix) at odd lengths, so tails and every mask path run; then
+the feature variants (bias + score modifier, a fused mask reading a device array, bottom-right
+causal) for each head dim and stage.
 Exits 1 if any output is wrong.
 """
 from __future__ import annotations
@@ -46,12 +48,50 @@ def main(argv=None) -> int:
             bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)  # resample a degenerate draw
         q, k, v = random_qkv(rng, 1, 2, args.n, variant.head_dim, variant.dtype)
         out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), bm, stages=variant.stages)
-        cp.cuda.runtime.deviceSynchronize()
-        err = reference.relative_error(out.get(), reference.attention(q, k, v, dense))
-        ok = err <= TOLERANCE[variant.dtype]
-        failures += not ok
-        print(f"{variant.name}: err={err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+        failures += report(variant.name, out, reference.attention(q, k, v, dense), variant.dtype)
+    failures += run_feature_variants(rng, head_dims, args.n)
     return 1 if failures else 0
+
+
+def run_feature_variants(rng, head_dims, n) -> int:
+    """Bias + score modifier, a fused mask reading a device array, bottom-right causal."""
+    import cupy as cp
+
+    from omnicupy import score_mods
+
+    doc = (np.arange(n) // 37).astype(np.int32)
+    fused = omnicupy.cuda_mask("doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx", arrays={"doc": doc},
+                               numpy_fn=lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k))
+    bm_doc = BlockMask.from_mask_mod(fused, None, None, n, n)
+    failures = 0
+    for hd in head_dims:
+        for stages in (1, 2):
+            q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16", Nkv=n + 5)
+            bias = rng.standard_normal((1, 2, n, n + 5)).astype(np.float32)
+            cases = [
+                ("bias+softcap", dict(causal=True, bias=bias, score_mod=score_mods.softcap(5.0)),
+                 dict(mask=(np.arange(n)[:, None] >= np.arange(n + 5)[None, :]), bias=bias,
+                      score_mod=score_mods.softcap(5.0))),
+                ("bottom-right", dict(causal="bottom_right"),
+                 dict(mask=(np.arange(n)[:, None] + 5 >= np.arange(n + 5)[None, :]))),
+            ]
+            for name, kw, ref_kw in cases:
+                out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), stages=stages, **kw)
+                failures += report(f"hd{hd} st{stages} {name}", out, reference.attention(q, k, v, **ref_kw), "fp16")
+            q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16")
+            out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), bm_doc, stages=stages, fuse_mask=True)
+            failures += report(f"hd{hd} st{stages} fused-document", out, reference.attention(q, k, v, fused), "fp16")
+    return failures
+
+
+def report(label, out, want, dtype) -> int:
+    import cupy as cp
+
+    cp.cuda.runtime.deviceSynchronize()
+    err = reference.relative_error(out.get(), want)
+    ok = err <= TOLERANCE[dtype]
+    print(f"{label}: err={err:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_cuda_mask_drives_the_builder_and_the_kernel():
     dense = (doc[qi] == doc[ki]) & (qi - ki < 70) & (qi >= ki)
     np.testing.assert_array_equal(bm.to_dense()[0, 0], dense)
     q, k, v = random_qkv(rng, 1, 2, n, 64, "fp16")
-    run_and_check(q, k, v, dense[None, None], "fp16", block_mask=bm)
+    run_and_check(q, k, v, dense[None, None], "fp16", block_mask=bm, fuse_mask=True)
 
 
 def test_bad_expression_names_it():
