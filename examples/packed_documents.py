@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 import omnicupy
-from omnicupy import arrays, reference
+from omnicupy import arrays, masks, reference
 
 BATCH, HEADS, N, HEAD_DIM = 4, 4, 2048, 64
 
@@ -45,11 +45,12 @@ def main() -> int:
     rng = np.random.default_rng(0)
     doc_ids = np.stack([random_packing(rng, N) for _ in range(BATCH)])  # [B, N] int
 
-    # The rule: same document, and causal. b, q_idx and kv_idx may be integers or broadcastable index
-    # arrays; doc_ids[b, q_idx] works for both.
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
-
+    # The rule: same document, and causal. masks.document takes per-batch ids [B, N], knows where
+    # each document starts (so only blocks that cut a document boundary are evaluated element by
+    # element), and evaluates those on the GPU. A hand-written rule such as
+    #     lambda b, h, q, kv: (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
+    # gives the same mask, but indexes a NumPy table, so it is evaluated on the host, more slowly.
+    document_causal = masks.document(doc_ids, causal=True)
     bm = omnicupy.BlockMask.from_mask_mod(document_causal, BATCH, None, N, N)
     for b in range(BATCH):
         lengths = np.bincount(doc_ids[b])
