@@ -68,7 +68,6 @@ __device__ __forceinline__ float tanh_fast(float x) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-__device__ __forceinline__ u32 shfl_xor(u32 v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 }  // namespace omni

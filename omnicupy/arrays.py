@@ -113,10 +113,3 @@ def as_array(x: Any, name: str):
     if hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)
     return np.asarray(x)
-
-
-def describe(x: Any) -> str:
-    """Short description for error messages: type, shape, dtype."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    return f"{type(x).__module__}.{type(x).__name__}(shape={tuple(shape) if shape is not None else '?'}, dtype={dtype})"
