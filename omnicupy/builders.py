@@ -1,18 +1,20 @@
 """Builders of BlockMask metadata (DESIGN.md §1): from a mask_mod, a dense mask, flex-attention's arrays.
 
-All three end the same way, from block rows: for each (b, h, q block), the types of the kv blocks
-``first, first + 1, ...``, some marked EVALUATE. For a mask_mod with known structure the row is a
-window around the allowed keys in which only the blocks an interval end cuts are EVALUATE
-(``MaskMod.block_rows``); for an opaque one every block is; for flex, the blocks it calls partial.
+All three end the same way, from block rows given as runs: for each (b, h, q block), from kv block
+``first`` on, runs of blocks of one type, some EVALUATE. For a mask_mod with known structure a row is
+four runs around the allowed keys, in which only the blocks an interval end cuts are EVALUATE
+(``MaskMod.block_runs``); for an opaque one every block is; for flex, the blocks it calls partial.
 Those are classified by evaluating the mask_mod on their elements; partial blocks are bit-packed and
-deduplicated into the pool; the rows are compacted into flex's layout.
+deduplicated into the pool; the rows are laid out in flex's layout.
 
-Where the work runs: everything per block (rows, types, deduplication, compaction) is O(blocks) and
-runs on the host with NumPy, where each step costs microseconds, not a kernel launch and a sync.
-Only the elements of the EVALUATE blocks are evaluated with the array module ``xp`` (CuPy on the GPU
-when one is usable), chunk by chunk so that peak memory stays bounded whatever N is: per chunk one
-transfer of coordinates, the mask_mod's own operations, one ``packbits`` and one transfer of the bits
-back. The finished metadata is moved to ``xp`` (one transfer per array).
+Where the work runs: the host works per run and per evaluated block (O(nQB + cut blocks) for a
+structured mask, with NumPy, where each step costs microseconds), never per slot of the
+[nQB, maxB] layout. The array module ``xp`` (CuPy on the GPU when one is usable) does everything
+per element or per slot: it evaluates the EVALUATE blocks (chunk by chunk, so that peak memory stays
+bounded whatever N is), classifies and hashes them, gathers the pool, and writes the layout from
+one small table per build. Per build on a device: one transfer of the blocks' coordinates, per chunk
+one transfer of their types and hashes back, one of pool indices (and one flag back when some blocks
+share a hash), one of the layout's table; no array of the metadata's size crosses the bus.
 """
 from __future__ import annotations
 
@@ -32,9 +34,13 @@ from .masks import CAUSAL, EVALUATE, FULL, MASKED
 
 PARTIAL = int(BlockType.PARTIAL)
 
-#: Elements evaluated at once (one chunk of blocks). The chunk's int64 temporaries inside a mask_mod
-#: take 8 bytes per element, so this bounds the builders' peak memory near 100 MB.
+#: Elements evaluated at once (one chunk of blocks) on the host. The chunk's int64 temporaries
+#: inside a mask_mod take 8 bytes per element, so this bounds the builders' peak memory near 100 MB.
 CHUNK_ELEMENTS = 1 << 22
+#: The same on a device, where a chunk costs a round trip: 64M elements (4096 blocks of 128 x 128)
+#: take the cut blocks of every built-in mask at N = 131072 at once, with int64 temporaries of
+#: 512 MB at most.
+DEVICE_CHUNK_ELEMENTS = 1 << 26
 
 _ALL_BITS = np.uint32(0xFFFFFFFF)
 
@@ -87,15 +93,15 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     Bm = 1 if B is None else _check_positive_int(B, "B")
     Hm = 1 if H is None else _check_positive_int(H, "H")
     q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
-    rows = None
+    runs = None
     if isinstance(mask_mod, masks.MaskMod):
         mask_mod.check_extent(B, q_len, kv_len)
         if use_structure:
-            rows = mask_mod.block_rows(Bm, Hm, q_len, kv_len, qbs, kbs)
-    if rows is None:
+            runs = mask_mod.block_runs(Bm, Hm, q_len, kv_len, qbs, kbs)
+    if runs is None:  # every row is one run of blocks to evaluate
         nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
-        rows = np.zeros((Bm, Hm, nqb), dtype=np.int64), np.full((Bm, Hm, nqb, nkvb), EVALUATE, dtype=np.int8)
-    return _build(*rows, mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, default_array_module() if xp is None else xp)
+        runs = np.zeros((Bm, Hm, nqb), dtype=np.int64), nkvb, np.full((Bm, Hm, nqb, 1), EVALUATE, dtype=np.int8)
+    return _build(*runs, mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, default_array_module() if xp is None else xp)
 
 
 def from_dense(mask: Any, *, q_block_size: int = 128, kv_block_size: int = 128) -> BlockMask:
@@ -143,7 +149,7 @@ def from_flex(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any = Non
     types.reshape(-1)[listed[0]] = EVALUATE
     if len(listed) > 1:
         types.reshape(-1)[listed[1]] = FULL
-    return _build(np.zeros(shape[:3], dtype=np.int64), types, mask_mod, shape[:2], q_len, kv_len, qbs, kbs, xp)
+    return _build(np.zeros(shape[:3], dtype=np.int64), 1, types, mask_mod, shape[:2], q_len, kv_len, qbs, kbs, xp)
 
 
 def _listed_blocks(given: dict, prefix: str, shape: tuple):
@@ -173,27 +179,44 @@ def _as_array(x: Any, name: str):
 
 
 # -------------------------------------------------------------------------- shared construction
-def _build(first, types, mask_mod, batch_heads: tuple[int, int], q_len: int, kv_len: int, qbs: int, kbs: int, xp: Any):
-    """Block rows (``first`` [Bs, Hs, nQB], ``types`` [Bs, Hs, nQB, C], host) -> BlockMask broadcast to
-    ``batch_heads``, its arrays in ``xp``: the EVALUATE blocks are evaluated (``types`` is updated in
-    place), the PARTIAL ones pooled, the rows compacted."""
-    at = np.flatnonzero(types == EVALUATE)  # C order, so the pool's order is the same on every path
+def _build(first, lengths, kinds, mask_mod, batch_heads: tuple[int, int], q_len: int, kv_len: int, qbs: int,
+           kbs: int, xp: Any):
+    """Block rows given as runs -> BlockMask broadcast to ``batch_heads``, its arrays in ``xp``.
+
+    ``first`` [Bs, Hs, nQB]; ``lengths`` and ``kinds`` [Bs, Hs, nQB, n] (``lengths`` may broadcast):
+    from kv block ``first`` on, each row is ``lengths[..., i]`` blocks of type ``kinds[..., i]``, in
+    increasing kv order. The blocks of EVALUATE runs are evaluated, the PARTIAL ones pooled; every
+    other run stays one item, so the host's work is O(runs + evaluated blocks), never O(nQB * maxB):
+    the dense rows are written where the metadata lives (``_layout``)."""
+    grid = first.shape
+    n = kinds.shape[-1]
+    lengths = np.broadcast_to(lengths, grid + (n,)).reshape(-1, n).astype(np.int64)
+    starts = (first.reshape(-1, 1) + np.cumsum(lengths, axis=1) - lengths).reshape(-1)
+    lengths, kinds = lengths.reshape(-1), kinds.reshape(-1)
+    # Items: one per block of an EVALUATE run, one per other non-empty run that is not MASKED; in
+    # (row, kv) order, so the evaluation (and the pool) follows C order over the block grid.
+    evaluate = kinds == EVALUATE
+    runs = np.flatnonzero(np.where(evaluate, lengths, (kinds != MASKED) & (lengths > 0)))
+    count = np.where(evaluate[runs], lengths[runs], 1)
+    run = np.repeat(runs, count)
+    offset = np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)
+    row, kv, kind = run // n, starts[run] + offset, kinds[run].astype(np.int8)
+    length = np.where(evaluate[run], 1, lengths[run])
+    at = np.flatnonzero(evaluate[run])
     pidx = pool = None
     if at.size:
         xp = _evaluation_module(mask_mod, xp)
-        row, col = np.divmod(at, types.shape[-1])
-        b, h, qb = np.unravel_index(row, first.shape)
-        kinds, pool, pool_index = _evaluate_blocks(mask_mod, b, h, qb * qbs, (first.reshape(-1)[row] + col) * kbs,
-                                                   q_len, kv_len, qbs, kbs, xp)
-        types.reshape(-1)[at] = kinds
+        b, h, qb = np.unravel_index(row[at], grid)
+        types, pool, pool_index = _evaluate_blocks(mask_mod, b, h, qb * qbs, kv[at] * kbs, q_len, kv_len, qbs, kbs,
+                                                   xp)
+        kind[at] = types
         if pool is not None:
-            pidx = np.zeros(types.shape, dtype=np.int32)
-            pidx.reshape(-1)[at[kinds == PARTIAL]] = pool_index
+            pidx = np.zeros(len(kind), dtype=np.int32)
+            pidx[at[types == PARTIAL]] = pool_index
     # Valid by construction (rows strictly increase, every index is in range): BlockMask checks the
     # shapes only, not the values.
-    features = MaskFeatures(causal=bool(np.any(types == CAUSAL)), partial=pool is not None)
-    nb, idx, types, pidx = _compact(first, types, pidx)
-    nb, idx, types, pidx, pool = (None if a is None else xp.asarray(a) for a in (nb, idx, types, pidx, pool))
+    features = MaskFeatures(causal=bool(np.any(kind == CAUSAL)), partial=pool is not None)
+    nb, idx, types, pidx = _layout(grid, row, kv, length, kind, pidx, xp)
     # Rows computed for one (b, h) stand for all of them: zero-stride views, no copies.
     nb, idx, types, pidx = (None if a is None else xp.broadcast_to(a, batch_heads + a.shape[2:])
                             for a in (nb, idx, types, pidx))
@@ -203,59 +226,90 @@ def _build(first, types, mask_mod, batch_heads: tuple[int, int], q_len: int, kv_
 
 
 def _evaluate_blocks(mask_mod, b, h, q0, kv0, q_len, kv_len, qbs, kbs, xp):
-    """Types ([K] int8) of the K blocks whose first element is (q0, kv0), from their elements, in
-    chunks; the deduplicated pool of the PARTIAL ones' bits and each one's index into it (or Nones)."""
-    per_chunk = max(1, CHUNK_ELEMENTS // (qbs * kbs))
-    types, partial_bits = [], []
-    for at in (slice(lo, lo + per_chunk) for lo in range(0, len(b), per_chunk)):
-        bits = _element_bits(mask_mod, b[at], h[at], q0[at], kv0[at], q_len, kv_len, qbs, kbs, xp)
-        types.append(_block_types(bits, q0[at], kv0[at], q_len, kv_len))
-        partial_bits.append(bits[types[-1] == PARTIAL])
-    types, bits = np.concatenate(types), np.concatenate(partial_bits)
-    if not len(bits):
+    """Types ([K] int8, host) of the K blocks whose first element is (q0, kv0), from their elements,
+    in chunks; the deduplicated pool of the PARTIAL ones' bits (in ``xp``) and each one's index
+    into it ([n] int32, host), or Nones. The bits stay where they were evaluated: per chunk, the
+    host gets the blocks' types and hashes back (one transfer), and the pool is gathered in ``xp``."""
+    k = len(b)
+    per_chunk = max(1, (CHUNK_ELEMENTS if xp is np else DEVICE_CHUNK_ELEMENTS) // (qbs * kbs))
+    chunks = [(lo, min(lo + per_chunk, k)) for lo in range(0, k, per_chunk)]
+    # Per chunk, the blocks with positions past the sequence ends and those the diagonal crosses: the
+    # only ones whose type takes more than a min and a max. Sent with the coordinates: one transfer.
+    subsets = []
+    for lo, hi in chunks:
+        q, kv = q0[lo:hi], kv0[lo:hi]
+        subsets += [np.flatnonzero((q + qbs > q_len) | (kv + kbs > kv_len)),
+                    np.flatnonzero((q + qbs > kv) & (q < kv + kbs))]
+    at = xp.asarray(np.concatenate([np.stack([b, h, q0, kv0], axis=1).reshape(-1)] + subsets).astype(np.int64))
+    ends = np.cumsum([4 * k] + [len(s) for s in subsets])
+    subsets = [at[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
+    at = at[:4 * k].reshape(k, 4)
+    types, hashes, kept = [], [], []
+    for i, (lo, hi) in enumerate(chunks):
+        chunk = at[lo:hi]
+        bits = _element_bits(mask_mod, chunk, q_len, kv_len, qbs, kbs, xp)
+        # Types first: they clear the bits past the ends, which the hashes and the pool must not see.
+        kinds = _block_types(bits, chunk[:, 2], chunk[:, 3], *subsets[2 * i:2 * i + 2], q_len, kv_len, xp)
+        found = arrays.to_numpy(xp.stack([_block_hashes(bits, xp), kinds.astype(np.uint64)]))  # one transfer
+        types.append(found[1].astype(np.int8))
+        partial = np.flatnonzero(types[-1] == PARTIAL)
+        hashes.append(found[0][partial])
+        if partial.size == len(bits):
+            kept.append((bits, None))
+        elif partial.size and len(chunks) > 1:  # keep the partial blocks' bits only
+            kept.append((bits[xp.asarray(partial)], None))
+        elif partial.size:
+            kept.append((bits, partial))
+    types, hashes = np.concatenate(types), np.concatenate(hashes)
+    if not len(hashes):
         return types, None, None
-    return types, *_deduplicate(bits, _block_hashes(bits, np))
+    bits, rows = kept[0] if len(kept) == 1 else (xp.concatenate([k for k, _ in kept]), None)
+    return types, *_deduplicate(bits, rows, hashes, xp)
 
 
-def _element_bits(mask_mod, b, h, q0, kv0, q_len, kv_len, qbs, kbs, xp) -> np.ndarray:
-    """The element masks of K blocks as host bits [K, qbs, kbs/32] uint32 (bit c of word w = column
-    32w + c), evaluated with ``xp``. Positions past the sequence ends are evaluated at clamped
-    indices (lookup tables stay in range); ``_block_types`` clears them."""
-    k = len(q0)
-    q = np.minimum(q0[:, None] + np.arange(qbs), q_len - 1)
-    kv = np.minimum(kv0[:, None] + np.arange(kbs), kv_len - 1)
-    at = xp.asarray(np.concatenate([b[:, None], h[:, None], q, kv], axis=1))  # one transfer
-    allowed = mask_mod(at[:, 0, None, None], at[:, 1, None, None], at[:, 2:2 + qbs, None], at[:, None, 2 + qbs:])
+def _element_bits(mask_mod, at, q_len, kv_len, qbs, kbs, xp):
+    """The element masks of K blocks as bits [K, qbs, kbs/32] uint32 in ``xp`` (bit c of word w =
+    column 32w + c); ``at`` [K, 4] int64 in ``xp`` holds each block's (b, h, q0, kv0). Positions past
+    the sequence ends are evaluated at clamped indices (lookup tables stay in range);
+    ``_block_types`` clears them."""
+    k = at.shape[0]
+    q = xp.minimum(at[:, 2, None] + xp.arange(qbs), q_len - 1)
+    kv = xp.minimum(at[:, 3, None] + xp.arange(kbs), kv_len - 1)
+    allowed = mask_mod(at[:, 0, None, None], at[:, 1, None, None], q[:, :, None], kv[:, None, :])
     allowed = xp.broadcast_to(xp.asarray(allowed, dtype=bool), (k, qbs, kbs))
     # Little bit order: bit c of byte j is element 8j + c, so little-endian words hold column 32w + c.
-    bits = arrays.to_numpy(xp.packbits(allowed, bitorder="little")).view("<u4").astype(np.uint32, copy=False)
-    return bits.reshape(k, qbs, kbs // 32)
+    return xp.packbits(allowed, bitorder="little").view(np.uint32).reshape(k, qbs, kbs // 32)
 
 
-def _block_types(bits, q0, kv0, q_len, kv_len) -> np.ndarray:
-    """MASKED, FULL, CAUSAL or PARTIAL ([K] int8) for K blocks given by their bits (``_element_bits``),
-    after clearing (in place) the bits of positions past the sequence ends, so only real positions
-    decide the type and the pool's tail is 0."""
+def _block_types(bits, q0, kv0, tail, maybe, q_len, kv_len, xp):
+    """MASKED, FULL, CAUSAL or PARTIAL ([K], in ``xp``) for K blocks given by their bits
+    (``_element_bits``) and first elements, after clearing (in place) the bits of positions past
+    the sequence ends, so only real positions decide the type and the pool's tail is 0. ``tail``
+    lists the blocks with such positions, ``maybe`` those the diagonal crosses (indices in ``xp``,
+    whose lengths the host knows: nothing waits for the device)."""
     k, qbs, n_words = bits.shape
     kbs = 32 * n_words
-    rows = np.arange(qbs)
-    real_rows = rows < (q_len - q0)[:, None]
-    real_cols = np.minimum(kv_len - kv0, kbs)
-    # Only blocks in the last q block or the last kv block have positions past the ends.
-    tail = np.flatnonzero(~real_rows[:, -1] | (real_cols < kbs))
-    real = _prefix_rows(n_words)[real_cols[tail]][:, None, :] * real_rows[tail, :, None]
-    bits[tail] &= real
+    prefix = _prefix_table(n_words).on(bits)
+    rows = xp.arange(qbs)
     flat = bits.reshape(k, -1)
+    if len(tail):
+        real_rows = rows < (q_len - q0[tail])[:, None]
+        real = prefix[xp.minimum(kv_len - kv0[tail], kbs)][:, None, :] * real_rows[:, :, None]
+        bits[tail] &= real
     none = flat.max(axis=1) == 0
     full = flat.min(axis=1) == _ALL_BITS
-    full[tail] = (bits[tail] == real).all(axis=(1, 2))
-    # CAUSAL: each real row r allows the real columns up to its diagonal, kv <= q0 + r. Only a block
-    # the diagonal passes through can be that without being all or nothing.
-    maybe = np.flatnonzero(~none & ~full & (q0 + qbs > kv0) & (q0 < kv0 + kbs))
-    diagonal = np.clip(q0[maybe, None] + rows - kv0[maybe, None] + 1, 0, real_cols[maybe, None]) * real_rows[maybe]
-    causal = np.zeros(k, dtype=bool)
-    causal[maybe] = (bits[maybe] == _prefix_rows(n_words)[diagonal]).all(axis=(1, 2))
-    return np.select([none, full, causal], [MASKED, FULL, CAUSAL], PARTIAL).astype(np.int8)
+    if len(tail):
+        full[tail] = (bits[tail] == real).all(axis=(1, 2))
+    # CAUSAL: each real row r allows the real columns up to its diagonal, kv <= q0 + r. (Only a block
+    # the diagonal crosses can be that without being all or nothing, which take precedence.)
+    causal = xp.zeros(k, dtype=bool)
+    if len(maybe):
+        q, kv = q0[maybe], kv0[maybe]
+        real_cols = xp.minimum(kv_len - kv, kbs)[:, None]
+        diagonal = xp.minimum(xp.maximum(q[:, None] + rows - kv[:, None] + 1, 0), real_cols)
+        causal[maybe] = (bits[maybe] == prefix[diagonal * (rows < (q_len - q)[:, None])]).all(axis=(1, 2))
+    return xp.where(none, np.int8(MASKED), xp.where(full, np.int8(FULL),
+                                                     xp.where(causal, np.int8(CAUSAL), np.int8(PARTIAL))))
 
 
 @functools.lru_cache(maxsize=8)
@@ -266,46 +320,107 @@ def _prefix_rows(n_words: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _hash_multipliers(n_words: int) -> np.ndarray:
+def _prefix_table(n_words: int) -> masks._Table:
+    """``_prefix_rows`` copied once to each device that asks."""
+    return masks._Table(_prefix_rows(n_words))
+
+
+@functools.lru_cache(maxsize=8)
+def _hash_multipliers(n_words: int) -> masks._Table:
     """Odd 64-bit multipliers, one per word of a packed block. Fixed, so the pool's order is the
     same on every path."""
-    return np.random.default_rng(0x6F6D6E69).integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1)
+    rng = np.random.default_rng(0x6F6D6E69)
+    return masks._Table(rng.integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1))
 
 
 def _block_hashes(packed, xp):
     """A 64-bit hash of each packed block (NumPy or CuPy): sum of word * multiplier, mod 2**64."""
     words = packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
-    return words.astype(np.uint64) @ xp.asarray(_hash_multipliers(words.shape[1]))
+    return (words.astype(np.uint64) * _hash_multipliers(words.shape[1]).on(words)).sum(axis=1)
 
 
-def _deduplicate(packed, hashes):
-    """Identical partial blocks share one pool entry (pool in hash order). Blocks are grouped by hash,
-    then each is compared with its group's representative; a hash collision falls back to an exact
-    row-wise unique. Returns (pool [P, QBS, W] uint32, pool index of each block [n] int32)."""
-    rows = packed.reshape(packed.shape[0], -1)
+def _deduplicate(bits, rows, hashes, xp):
+    """Identical partial blocks share one pool entry (pool in hash order). The blocks are
+    ``bits[rows]`` (``rows`` host indices, or None: all of ``bits``) with host ``hashes``; they are
+    grouped by hash, then each is compared (in ``xp``) with its group's representative; a hash
+    collision falls back to an exact row-wise unique on the host. Returns (pool [P, QBS, W] uint32
+    in ``xp``, pool index of each block [n] int32)."""
     _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-    if not np.array_equal(rows, rows[first[inverse.reshape(-1)]]):
-        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
-    return packed[first], inverse.reshape(-1).astype(np.int32)
+    inverse = inverse.reshape(-1)
+    rep = first[inverse]
+    dup = np.flatnonzero(rep != np.arange(len(rep)))
+    at = np.concatenate([first, dup, rep[dup]])
+    at = xp.asarray(at if rows is None else rows[at])  # one transfer
+    p, d = len(first), len(dup)
+    if not d or bool(xp.all(bits[at[p:p + d]] == bits[at[p + d:]])):
+        return bits[at[:p]], inverse.astype(np.int32)
+    packed = arrays.to_numpy(bits if rows is None else bits[xp.asarray(rows)])
+    _, first, inverse = np.unique(packed.reshape(len(packed), -1), axis=0, return_index=True, return_inverse=True)
+    return xp.asarray(packed[first]), inverse.reshape(-1).astype(np.int32)
 
 
-def _compact(first, types, pidx):
-    """Flex's layout from block rows: each row's non-MASKED blocks in increasing kv order, inactive
-    slots 0 (the arrays ``BlockMask.from_block_types`` makes). Returns kv_num_blocks, kv_indices,
-    block_mask_types, partial_block_mask_indices (int32, or None)."""
-    active = types != MASKED
-    nb = active.sum(axis=-1, dtype=np.int32)
-    kv = first.astype(np.int32)[..., None] + np.arange(types.shape[-1], dtype=np.int32)
-    if np.any(active[..., 1:] > active[..., :-1]):
-        # A MASKED block before an active one: move the MASKED ones to the row's end, in order.
-        order = np.argsort(~active, axis=-1, kind="stable")
-        kv, types = np.take_along_axis(kv, order, axis=-1), np.take_along_axis(types, order, axis=-1)
-        pidx = None if pidx is None else np.take_along_axis(pidx, order, axis=-1)
-        active = types != MASKED
-    kv *= active  # past a row's count, types (MASKED) and pidx are already 0
+def _layout(grid, row, kv, length, kind, pidx, xp):
+    """Flex's layout (what ``BlockMask.from_block_types`` makes), written in ``xp`` from the items of
+    the rows: item i is ``length[i]`` blocks of type ``kind[i]`` from kv block ``kv[i]`` on, in row
+    ``row[i]`` of ``grid``, items in (row, kv) order, PARTIAL items one block long with pool index
+    ``pidx[i]``. Each row lists its non-MASKED blocks in increasing kv order, then inactive slots 0.
+
+    The host works per item; the [rows, maxB] arrays are written in ``xp`` from one transfer of
+    O(items) numbers: each slot finds its segment (a run of consecutive blocks of one type), and
+    its kv index is the slot's flat position plus the segment's offset. Returns kv_num_blocks,
+    kv_indices, block_mask_types, partial_block_mask_indices (int32, or None)."""
+    keep = kind != MASKED
+    row, kv, length, kind = row[keep], kv[keep], length[keep], kind[keep]
+    n_rows = int(np.prod(grid))
+    nb = np.bincount(row, weights=length, minlength=n_rows).astype(np.int64)
     maxb = max(int(nb.max()), 1)
-    return (nb, np.ascontiguousarray(kv[..., :maxb]), types[..., :maxb].astype(np.int32),
-            None if pidx is None else np.ascontiguousarray(pidx[..., :maxb]))
+    # Flat slot (row * maxb + slot in the row) of each item's first block.
+    end = np.cumsum(length)
+    flat = row * maxb + end - length - (np.cumsum(nb) - nb)[row]
+    # Segments: an item starts one unless it continues the previous one (same row and type, not
+    # PARTIAL, the next kv block), so a run stays one segment whatever the path that listed it.
+    new = np.ones(len(row), dtype=bool)
+    new[1:] = ((row[1:] != row[:-1]) | (kind[1:] != kind[:-1]) | (kind[1:] == PARTIAL)
+               | (kv[1:] != kv[:-1] + length[:-1]))
+    seg = np.flatnonzero(new)
+    last = np.append(seg[1:], len(row))[:len(seg)] - 1
+    seg_start, seg_end = flat[seg], flat[last] + length[last]
+    n_slots = n_rows * maxb
+    dt = np.int32 if n_slots < 2**31 else np.int64
+    values = [(kv - flat)[seg], kind[seg]] + ([] if pidx is None else [pidx[keep][seg]])
+    if xp is np:
+        # Write the slots out run by run: before each segment a gap (the previous row's slots past
+        # its count, 0), then the segment.
+        counts = np.empty(2 * len(seg) + 1, dtype=np.int64)
+        counts[0::2] = np.append(seg_start, n_slots) - np.insert(seg_end, 0, 0)
+        counts[1::2] = seg_end - seg_start
+
+        def spread(v, dtype=dt):
+            runs = np.zeros(len(counts), dtype=dtype)
+            runs[1::2] = v
+            return np.repeat(runs, counts)
+
+        idx = spread(values[0])
+        idx += np.arange(n_slots, dtype=dt)
+        idx *= spread(True, bool)
+        out = [nb, idx] + [spread(v) for v in values[1:]]
+    else:
+        # One transfer of O(segments) numbers: the counts, the segment starts, and per segment (past
+        # a leading 0) its values. Each slot binary-searches the starts (a repeat with array counts
+        # is no device operation) and gathers its segment's values; slots past a row's count, 0.
+        table = np.zeros((len(values), len(seg) + 1), dtype=dt)
+        table[:, 1:] = values
+        meta = xp.asarray(np.concatenate([nb.astype(dt), seg_start.astype(dt), table.reshape(-1)]))
+        nb, starts, table = meta[:n_rows], meta[n_rows:n_rows + len(seg)], meta[n_rows + len(seg):]
+        table = table.reshape(len(values), len(seg) + 1)
+        pos = xp.arange(n_slots, dtype=dt)
+        active = (xp.arange(maxb, dtype=dt) < nb[:, None]).reshape(-1)
+        at = xp.searchsorted(starts, pos, side="right") * active if len(seg) else xp.zeros(n_slots, dtype=dt)
+        out = [nb, (pos + table[0][at]) * active] + [table[i][at] for i in range(1, len(values))]
+    out += [None] * (4 - len(out))
+    return tuple(None if a is None else a.reshape(grid + (maxb,) if i else grid).astype(np.int32, copy=False)
+                 for i, a in enumerate(out))
 
 
-__all__ = ["from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS"]
+__all__ = ["from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS",
+           "DEVICE_CHUNK_ELEMENTS"]

@@ -82,6 +82,19 @@ class MaskMod:
         and every block outside a row's window is MASKED. MASKED, FULL and CAUSAL are exact;
         EVALUATE (PARTIAL) blocks need their elements evaluated. Only real positions (< q_len,
         < kv_len) count, like the element-level classification. NumPy, O(N + the output)."""
+        found = self.block_runs(B, H, q_len, kv_len, q_block_size, kv_block_size)
+        if found is None:
+            return None
+        first, lengths, kinds = found
+        types = np.repeat(kinds.reshape(-1), lengths.reshape(-1)).reshape(first.shape + (-1,))
+        return first, types
+
+    def block_runs(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int,
+                   kv_block_size: int) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``block_rows`` before its rows are written out, O(N) (the builders' input): ``(first,
+        lengths, kinds)``, ``lengths`` and ``kinds`` ``[Bs, Hs, nQB, 4]``: from kv block ``first`` on,
+        each row is ``lengths[..., i]`` blocks of type ``kinds[..., i]``: EVALUATE, FULL, CAUSAL or
+        EVALUATE, then MASKED up to the common width C (every row's lengths sum to C)."""
         if self.bounds is None:
             return None
         qbs, kbs = q_block_size, kv_block_size
@@ -113,8 +126,7 @@ class MaskMod:
         cols = max(int(width.max()), 1)
         runs = np.stack([after, before - after, width - before, cols - width], axis=-1)
         kinds = np.stack(np.broadcast_arrays(EVALUATE, FULL, tail, MASKED), axis=-1).astype(np.int8)
-        types = np.repeat(kinds.reshape(-1), runs.reshape(-1)).reshape(first.shape + (cols,))
-        return first, types
+        return first, runs, kinds
 
     def classify_blocks(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int, kv_block_size: int,
                         xp: Any = np) -> Optional[Any]:

@@ -1,6 +1,8 @@
 """BlockMask builders: from_mask_mod (structured and generic paths), from_dense, from_flex, validation."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -18,6 +20,18 @@ SIZES = [(1, 1), (77, 300), (300, 77), (1000, 1000), (1000, 333)]
 BLOCKS = [(64, 64), (128, 128), (64, 128)]
 
 
+class _HostAsDevice(types.ModuleType):
+    """NumPy under another name: builders given it take their device branches (device-size chunks,
+    the layout written by binary search and gathers, the pool gathered where the bits are) with
+    NumPy arrays, so that those branches run, and are compared with the host's, without a GPU."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+HOST_AS_DEVICE = _HostAsDevice("host_as_device")
+
+
 def assert_same_metadata(a: BlockMask, b: BlockMask) -> None:
     assert a.shape == b.shape and a.block_size == b.block_size
     for name in META:
@@ -26,6 +40,7 @@ def assert_same_metadata(a: BlockMask, b: BlockMask) -> None:
         if x is not None:
             assert x.shape == y.shape and x.dtype == y.dtype, name
             np.testing.assert_array_equal(arrays.to_numpy(x), arrays.to_numpy(y), err_msg=name)
+    assert a.features == b.features
 
 
 def unpack_pool(bm: BlockMask) -> np.ndarray:
@@ -35,11 +50,14 @@ def unpack_pool(bm: BlockMask) -> np.ndarray:
 
 
 def assert_pool_is_clean(bm: BlockMask) -> None:
-    """Pool entries are distinct, and bits past the sequence end are 0."""
+    """Pool entries are distinct, in the order of their hashes (of the bits as stored: every path
+    orders them alike), and bits past the sequence end are 0."""
     if bm.partial_block_masks is None:
         return
     pool = arrays.to_numpy(bm.partial_block_masks)
     assert len(np.unique(pool.reshape(len(pool), -1), axis=0)) == len(pool)
+    hashes = builders._block_hashes(pool, np)
+    assert np.all(hashes[1:] >= hashes[:-1])
     dense = unpack_pool(bm)
     nb, idx, types, pidx = (arrays.to_numpy(getattr(bm, n)) for n in META[:4])
     active = np.arange(idx.shape[3]) < nb[..., None]
@@ -55,6 +73,9 @@ def check_mask_mod(mod, B, H, q_len, kv_len, qbs, kbs) -> BlockMask:
     generic = builders.from_mask_mod(mod, B, H, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs,
                                      use_structure=False)
     assert_same_metadata(bm, generic)
+    for use_structure in (True, False):  # the device branches, on the host
+        assert_same_metadata(bm, builders.from_mask_mod(mod, B, H, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs,
+                                                        xp=HOST_AS_DEVICE, use_structure=use_structure))
     np.testing.assert_array_equal(bm.to_dense(), dense_mask_from_mod(mod, B or 1, H or 1, q_len, kv_len))
     assert_pool_is_clean(bm)
     assert bm.mask_mod is mod
@@ -156,6 +177,25 @@ def test_evaluation_is_chunked(monkeypatch):
     monkeypatch.undo()
     assert_same_metadata(small, builders.from_mask_mod(recording, None, None, 1000, 700, q_block_size=64,
                                                        kv_block_size=64))
+
+
+@pytest.mark.parametrize("factory", CASE_PARAMS)
+def test_device_chunks(factory, monkeypatch):
+    """Several device chunks (each keeps only its partial blocks' bits) give the metadata of one."""
+    mod = factory(1000, 700)
+    one = builders.from_mask_mod(mod, None, 2, 1000, 700, q_block_size=64, kv_block_size=64, xp=HOST_AS_DEVICE)
+    monkeypatch.setattr(builders, "DEVICE_CHUNK_ELEMENTS", 64 * 64 * 3)
+    for use_structure in (True, False):
+        assert_same_metadata(one, builders.from_mask_mod(mod, None, 2, 1000, 700, q_block_size=64, kv_block_size=64,
+                                                         xp=HOST_AS_DEVICE, use_structure=use_structure))
+
+
+@pytest.mark.parametrize("xp", [np, HOST_AS_DEVICE], ids=["host", "device"])
+def test_nothing_allowed(xp):
+    bm = builders.from_mask_mod(lambda b, h, q_idx, kv_idx: q_idx < 0, None, None, 300, 200, q_block_size=64,
+                                kv_block_size=64, xp=xp)
+    assert bm.kv_indices.shape == (1, 1, 5, 1) and not bm.kv_num_blocks.any() and not bm.kv_indices.any()
+    assert bm.partial_block_masks is None and bm.features == builders.MaskFeatures(causal=False, partial=False)
 
 
 def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch):
