@@ -66,13 +66,11 @@ def main(argv=None):
         for label, mod in (("alibi", score_mods.alibi(16)), ("softcap 30", score_mods.softcap(30.0))):
             record("score_mod", f"causal, {label}", D, time_ms(lambda: omnicupy.attention(q, k, v, causal=True,
                                                                                         score_mod=mod)), base)
-        del q, k, v
         q, k, v = qkv(32, 32)
         mha = time_ms(lambda: omnicupy.attention(q, k, v, causal=True))
         record("heads", "MHA Hq=Hkv=32", D, mha)
         q, k, v = qkv(32, 8)
         record("heads", "GQA Hq=32 Hkv=8", D, time_ms(lambda: omnicupy.attention(q, k, v, causal=True)), mha)
-        del q, k, v
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import arrays, expressions, jit, tiles
 from .block_mask import BlockMask, DeviceMetadata
+from .checks import check_positive_float
 from .errors import ArgumentError, CompileError, MaskError, NoGPUError
 
 MAX_GRID_YZ = 65535  # heads ride on grid.y, batch on grid.z
@@ -125,15 +126,7 @@ def _on_device(inp: _Inputs) -> _Inputs:
 
 
 def _check_scale(scale: Optional[float], head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"scale must be a positive float, got {scale!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ArgumentError(f"scale must be a positive finite float, got {scale!r}")
-    return value
+    return 1.0 / math.sqrt(head_dim) if scale is None else check_positive_float(scale, "scale")
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,13 +10,13 @@ Arrays may live on the host (NumPy) or the device (CuPy); validation runs where 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from . import arrays
+from .checks import check_int
 from .errors import MaskError
 
 
@@ -60,14 +60,7 @@ class DeviceMetadata:
 
 
 def _check_positive_int(value: Any, name: str, multiple: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise MaskError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value < 1:
-        raise MaskError(f"{name} must be >= 1, got {value}")
-    if value % multiple:
-        raise MaskError(f"{name} must be a multiple of {multiple}, got {value}")
-    return value
+    return check_int(value, name, minimum=1, multiple=multiple, error=MaskError)
 
 
 def _as_index_array(x: Any, name: str, ndim: int, *, unsigned: bool = False):

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import arrays
 from .block_mask import BlockType, cdiv
+from .checks import check_int
 from .errors import MaskError
 
 #: In types from ``block_rows``, PARTIAL means "cut by an interval end: evaluate the
@@ -174,11 +175,7 @@ class _Table:
 
 
 def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise MaskError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise MaskError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+    return check_int(value, name, minimum=minimum, error=MaskError)
 
 
 def _xp(x):

@@ -9,12 +9,12 @@ modifier carries a CUDA expression (rendered into the kernel) and a NumPy form, 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
 from . import arrays
+from .checks import check_positive_float
 from .errors import ArgumentError
 from .expressions import CudaExpr, _elementwise
 
@@ -71,12 +71,7 @@ def alibi(num_heads: int) -> ScoreMod:
 
 def softcap(cap: float) -> ScoreMod:
     """Tanh soft-capping (Gemma 2): ``cap * tanh(score / cap)``."""
-    try:
-        cap = float(cap)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"softcap: cap must be a positive float, got {cap!r}") from None
-    if not math.isfinite(cap) or cap <= 0:
-        raise ArgumentError(f"softcap: cap must be a positive finite float, got {cap!r}")
+    cap = check_positive_float(cap, "softcap: cap")
 
     def numpy_fn(score, b, h, q_idx, kv_idx):
         return cap * np.tanh(score / cap)

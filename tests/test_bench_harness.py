@@ -247,10 +247,7 @@ def test_resolve_falls_back_to_the_benchmark_rule():
 @pytest.mark.parametrize("name", ["sliding_window", "document", "prefix_lm", "interleaved", "random_50"])
 def test_omnicupy_block_mask_encodes_the_benchmark_mask(name):
     """The BlockMask omnicupy times with has exactly the benchmark's allowed pairs."""
-    try:
-        from omnicupy import BlockMask, builders  # noqa: F401
-    except ImportError:
-        pytest.skip("omnicupy.builders is not available")
+    from omnicupy import BlockMask
     n = 1024
     mask = _cases.make_mask(name, n)
     mod, _, _ = _cases.resolve_product_mod(mask, _cases.masks_module())
@@ -655,10 +652,6 @@ def test_report_from_results_json(tmp_path, capsys):
 def test_omnicupy_mask_build_is_timed_and_recorded(monkeypatch):
     from omnicupy import BlockMask
 
-    try:
-        from omnicupy import builders  # noqa: F401
-    except ImportError:
-        pytest.skip("omnicupy.builders is not available")
     monkeypatch.setattr(BlockMask, "device_metadata", lambda self: None)  # no GPU here
     logs = []
     bench = _systems.Bench(_FakeGpu(), warmup=0, rep=1, check=False, mask_repeats=2, cache_label="x",
