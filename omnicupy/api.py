@@ -194,16 +194,21 @@ def check_mask_matches(bm: BlockMask, inp: _Inputs) -> None:
         raise MaskError(f"block_mask head dim ({Hm}) must be 1 or the number of q heads ({inp.heads})")
 
 
-def _check_out(out: Any, inp: _Inputs):
+def _check_stages(stages: Any) -> None:
+    if stages not in (None, 1, 2):
+        raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
+
+
+def _check_out(out: Any, inp: _Inputs, name: str = "out"):
     """Shape/dtype/layout checks of a user ``out`` (no GPU needed for NumPy); returns it as an array."""
     if out is None:
         return None
     shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
-    out = _as_array(out, "out")
+    out = _as_array(out, name)
     if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(inp.q.dtype):
-        raise ArgumentError(f"out must have shape {shape} and dtype {inp.q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        raise ArgumentError(f"{name} must have shape {shape} and dtype {inp.q.dtype}, got {tuple(out.shape)} {out.dtype}")
     if out.strides[3] != out.itemsize:
-        raise ArgumentError(f"out must be contiguous in its last dim; got strides {out.strides} bytes")
+        raise ArgumentError(f"{name} must be contiguous in its last dim; got strides {out.strides} bytes")
     return out
 
 
@@ -320,8 +325,7 @@ def attention(
     inp = _check_inputs(q, k, v)
     bm = _resolve_mask(block_mask, causal, inp)
     scale = _check_scale(scale, inp.head_dim)
-    if stages not in (None, 1, 2):
-        raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
+    _check_stages(stages)
     out = _check_out(out, inp)
     extras = _Extras(
         bias=_check_bias(bias, inp),
@@ -382,19 +386,15 @@ def omni_attn_mma_blockmask(
                    kv_block_size=kv_block_size, partial_block_mask_indices=meta_arrays[3],
                    partial_block_masks=meta_arrays[4])
     check_mask_matches(bm, inp)
-    od = arrays.to_cupy(o, "o")
-    shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
-    if tuple(od.shape) != shape or od.dtype != inp.q.dtype:
-        raise ArgumentError(f"o must have shape {shape} and dtype {inp.q.dtype}, got {tuple(od.shape)} {od.dtype}")
+    _check_stages(stages)
+    od = arrays.to_cupy(_check_out(o, inp, "o"), "o")
     _check_device(od, "o")
-    if od.strides[3] != od.itemsize or not _aligned(od):
-        raise ArgumentError("o must be contiguous in its last dim, 16-byte aligned, with row strides a multiple of 8")
+    if not _aligned(od):
+        raise ArgumentError("o must be 16-byte aligned with row strides a multiple of 8 elements")
     lse_d = None
     if lse is not None:
         lse_d = arrays.to_cupy(lse, "lse")
-        if tuple(lse_d.shape) != shape[:3] or lse_d.dtype != np.float32 or not lse_d.flags.c_contiguous:
-            raise ArgumentError(f"lse must be a contiguous float32 array of shape {shape[:3]}")
-    if stages not in (None, 1, 2):
-        raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
+        if tuple(lse_d.shape) != tuple(od.shape[:3]) or lse_d.dtype != np.float32 or not lse_d.flags.c_contiguous:
+            raise ArgumentError(f"lse must be a contiguous float32 array of shape {tuple(od.shape[:3])}")
     _launch(inp, od, lse_d, bm, bm.device_metadata(), _check_scale(scale, inp.head_dim), stages)
     return o
