@@ -308,16 +308,10 @@ class BlockMask:
         if offset == 0:
             return cls._from_block_rule(q_len, kv_len, q_block_size, kv_block_size, causal=True)
         # The shifted diagonal is not the CAUSAL block pattern: its blocks become PARTIAL, built by
-        # the structured path and evaluated in the kernel from the expression.
-        from . import builders
-        from .masks import MaskMod
+        # the structured path (and evaluable in the kernel from the mask's expression).
+        from . import builders, masks
 
-        def causal_bottom_right(b, h, q_idx, kv_idx):
-            return q_idx + offset >= kv_idx
-
-        mod = MaskMod(causal_bottom_right, f"causal_bottom_right_{offset}", bounds=lambda b, h, q: (0, q + offset + 1),
-                      cuda_expr=f"q_idx + ({offset}) >= kv_idx")
-        return builders.from_mask_mod(mod, None, None, q_len, kv_len, q_block_size=q_block_size,
+        return builders.from_mask_mod(masks.causal(offset), None, None, q_len, kv_len, q_block_size=q_block_size,
                                       kv_block_size=kv_block_size)
 
     @classmethod

@@ -183,14 +183,23 @@ def _xp(x):
 
 
 # ------------------------------------------------------------------------------------- band masks
-def causal() -> MaskMod:
-    """``q_idx >= kv_idx`` (top-left aligned, flex-attention's convention)."""
+def causal(offset: int = 0) -> MaskMod:
+    """``q_idx + offset >= kv_idx``: offset 0 is top-left aligned (flex-attention's convention);
+    ``offset = kv_len - q_len`` aligns the last query with the last key (bottom-right)."""
+    offset = _check_int(offset, "offset", -2**31)
+    if offset == 0:
+        def causal(b, h, q_idx, kv_idx):
+            """q_idx >= kv_idx"""
+            return q_idx >= kv_idx
 
-    def causal(b, h, q_idx, kv_idx):
-        """q_idx >= kv_idx"""
-        return q_idx >= kv_idx
+        return MaskMod(causal, "causal", bounds=lambda b, h, q: (0, q + 1), cuda_expr="q_idx >= kv_idx")
 
-    return MaskMod(causal, "causal", bounds=lambda b, h, q: (0, q + 1), cuda_expr="q_idx >= kv_idx")
+    def causal_offset(b, h, q_idx, kv_idx):
+        """q_idx + offset >= kv_idx"""
+        return q_idx + offset >= kv_idx
+
+    return MaskMod(causal_offset, f"causal_offset_{offset}", bounds=lambda b, h, q: (0, q + offset + 1),
+                   cuda_expr=f"q_idx + ({offset}) >= kv_idx")
 
 
 def sliding_window(window: int) -> MaskMod:

@@ -87,3 +87,10 @@ def test_shuffled_masked_entries_do_not_count():
     np.testing.assert_array_equal(shuffled(bm, rng).to_dense(), dense)
     grid = bm.block_grid()
     assert set(np.unique(grid)) <= {int(t) for t in BlockType}
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 300), (7, 1000), (300, 77), (129, 4097), (300, 300)])
+def test_bottom_right_causal_encodes_its_rule(q_len, kv_len):
+    bm = BlockMask.causal(q_len, kv_len, bottom_right=True, q_block_size=64, kv_block_size=64)
+    qi, ki = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], qi + kv_len - q_len >= ki)
