@@ -1,6 +1,7 @@
 """Time candidate tiles per (head_dim, stages) on full and causal masks; print a table.
 
     PYTHONPATH=. python3 benchmarks/tune_tiles.py [--head-dims 64,128] [--n 8192] [--batch 2] [--heads 16]
+                                                  [--mma sync|wgmma]
 
 Each candidate is checked against the reference on a subsample of rows before it is timed. SDPA's
 flash backend (FlashAttention-2) is timed in the same process when torch is importable.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -19,6 +21,8 @@ from omnicupy.jit.variant import Variant
 
 CANDIDATES = [tiles.Tile(*t) for t in [(64, 64, 4), (128, 64, 4), (128, 32, 4), (128, 64, 8), (128, 128, 8),
                                         (64, 128, 4), (64, 32, 4), (128, 32, 8)]]
+WGMMA_CANDIDATES = [tiles.Tile(*t) for t in [(128, 128, 8), (128, 64, 8), (64, 128, 4), (64, 64, 4), (192, 128, 12),
+                                              (128, 256, 8), (192, 64, 12)]]
 
 
 def time_ms(fn, warmup=3, reps=10):
@@ -61,10 +65,15 @@ def main(argv=None):
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--tiles", default="", help="br:bc:warps,... (default: built-in candidates)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--mma", choices=("sync", "wgmma"), default="sync", help="kernel family to tune")
     args = ap.parse_args(argv)
+    os.environ["OMNICUPY_MMA"] = args.mma
     head_dims = [int(x) for x in args.head_dims.split(",")]
     stages_list = [int(x) for x in args.stages.split(",")]
-    candidates = ([tiles.Tile(*map(int, t.split(":"))) for t in args.tiles.split(",")] if args.tiles else CANDIDATES)
+    # br:bc:warps, and for wgmma an optional ":o" for the overlapped pipeline
+    candidates = ([tiles.Tile(*map(int, t.split(":")[:3]), t.endswith(":o")) for t in args.tiles.split(",")]
+                  if args.tiles
+                  else WGMMA_CANDIDATES if args.mma == "wgmma" else CANDIDATES)
     B, H, N = args.batch, args.heads, args.n
     dtype = np.float16 if args.dtype == "fp16" else omnicupy.arrays.BFLOAT16
     try:
@@ -88,12 +97,13 @@ def main(argv=None):
             for st in stages_list:
                 for tile in candidates:
                     try:
-                        v_ = Variant(D, args.dtype, tile.br, tile.bc, tile.warps, st)
+                        v_ = Variant(D, args.dtype, tile.br, tile.bc, tile.warps, st, causal, mma=args.mma,
+                                     overlap=tile.overlap)
                     except ValueError:
                         continue
                     if v_.smem_bytes > 227 * 1024:
                         continue
-                    with tiles.use_tiles({(D, st): tile}):
+                    with tiles.use_tiles({(D, st): tile}, mma=args.mma):
                         try:
                             out = omnicupy.attention(q, k, v, causal=causal, stages=st)
                             err = check_rows(q, k, v, out, causal)
@@ -101,9 +111,9 @@ def main(argv=None):
                         except Exception as exc:  # noqa: BLE001 - record and go on
                             print(f"D={D} st={st} {tile}: ERROR {exc}", file=sys.stderr, flush=True)
                             continue
-                    kernel = omnicupy.jit.get_kernel(Variant(D, args.dtype, tile.br, tile.bc, tile.warps, st, causal))
+                    kernel = omnicupy.jit.get_kernel(v_)
                     ok = err <= (3e-3 if args.dtype == "fp16" else 2e-2)
-                    row = dict(D=D, causal=causal, system=f"omnicupy_st{st}", tile=f"{tile.br}x{tile.bc}w{tile.warps}",
+                    row = dict(D=D, causal=causal, system=f"omnicupy_{args.mma}_st{st}", tile=f"{tile.br}x{tile.bc}w{tile.warps}{'o' if tile.overlap else ''}",
                                ms=ms, tflops=flops / ms / 1e9 if ok else None, err=err, regs=kernel.num_regs,
                                local=kernel.local_size_bytes)
                     rows.append(row)

@@ -7,6 +7,7 @@ namespace omni {
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // 16 bytes, for vectorised shared <-> global copies.
 struct __align__(16) Vec16 {

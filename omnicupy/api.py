@@ -241,7 +241,7 @@ def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: fl
         inp.head_dim, inp.dtype, stages, bm.q_block_size, bm.kv_block_size, bm.features.causal, bm.features.partial,
         bias=extras.bias.dtype if extras.bias else None,
         mask_expr=extras.mask_expr.key if extras.mask_expr else None,
-        score_expr=extras.score_expr.key if extras.score_expr else None)
+        score_expr=extras.score_expr.key if extras.score_expr else None, arch=jit.device_arch())
     try:
         kernel = jit.get_kernel(variant)
     except CompileError as exc:

@@ -240,10 +240,13 @@ def check_nvrtc_archs(archs: Iterable[str]) -> None:
 
 def plan(variants: Sequence[jit.Variant], archs: Sequence[str]) -> tuple[list[tuple[jit.Variant, str]], int]:
     """(variant, arch) pairs to build, largest head dim first so parallel workers finish together;
-    and how many pairs were skipped because the variant's shared memory does not fit the arch."""
+    and how many pairs were skipped because the variant's shared memory does not fit the arch.
+    wgmma variants exist for sm_90 only and are not planned (nor counted) for other archs."""
     tasks, skipped = [], 0
     for arch in archs:
         for variant in variants:
+            if variant.mma == "wgmma" and jit.arch_number(arch) != 90:
+                continue
             if jit.arch_supports(variant, arch):
                 tasks.append((variant, arch))
             else:

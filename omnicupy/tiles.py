@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
 from .errors import ArgumentError
-from .jit.variant import SUPPORTED_HEAD_DIMS, Variant
+from .jit import env
+from .jit.variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Tile:
     br: int
     bc: int
     warps: int
+    overlap: bool = False  # wgmma only: software-pipelined P V (Variant.overlap)
 
 
 #: (head_dim, stages) -> tuned tile. Chosen by benchmarks/tune_tiles.py on the lent H100/H200;
@@ -40,6 +42,16 @@ FEATURE_TILES: dict[tuple[int, int], Tile] = {
     (256, 1): Tile(64, 32, 4), (256, 2): Tile(64, 32, 4),
 }
 
+#: Hopper's wgmma family (sm_90a): (head_dim, stages) -> tile, one warpgroup per 64 query rows.
+#: Chosen by benchmarks/tune_tiles.py on the lent H200 (NOTES.md §9). The family double-buffers K
+#: and V, so it has no kStage 1: stages=1 selects the mma.sync kernel.
+WGMMA_TUNED: dict[tuple[int, int], Tile] = {
+    (64, 2): Tile(128, 64, 8), (128, 2): Tile(128, 128, 8), (256, 2): Tile(128, 64, 8, overlap=True),
+}
+
+#: wgmma tiles for block sizes the tuned one does not divide (q blocks must be multiples of 64).
+WGMMA_FALLBACKS = (Tile(64, 64, 4),)
+
 #: Stage used when the caller does not choose one.
 DEFAULT_STAGES: dict[int, int] = {32: 2, 64: 2, 96: 2, 128: 2, 256: 2}
 
@@ -48,15 +60,16 @@ FALLBACKS = (Tile(64, 64, 4), Tile(64, 32, 4), Tile(32, 32, 2), Tile(16, 32, 1))
 
 
 @contextlib.contextmanager
-def use_tiles(overrides: Mapping[tuple[int, int], Tile]) -> Iterator[None]:
-    """Temporarily replace entries of TUNED (for tuning scripts that time candidate tiles)."""
-    saved = dict(TUNED)
-    TUNED.update(overrides)
+def use_tiles(overrides: Mapping[tuple[int, int], Tile], mma: str = "sync") -> Iterator[None]:
+    """Temporarily replace entries of TUNED (or WGMMA_TUNED), for tuning scripts that time candidates."""
+    table = WGMMA_TUNED if mma == "wgmma" else TUNED
+    saved = dict(table)
+    table.update(overrides)
     try:
         yield
     finally:
-        TUNED.clear()
-        TUNED.update(saved)
+        table.clear()
+        table.update(saved)
 
 
 def select_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: int, extras: bool = False) -> Tile:
@@ -70,9 +83,21 @@ def select_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: in
     )
 
 
+def _wgmma_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: int) -> Optional[Tile]:
+    tuned = WGMMA_TUNED.get((head_dim, stages))
+    if tuned is None:
+        return None
+    for tile in (tuned, *WGMMA_FALLBACKS):
+        if q_block_size % tile.br == 0 and kv_block_size % tile.bc == 0:
+            return tile
+    return None
+
+
 def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_size: int, kv_block_size: int,
                    causal: bool, partial: bool, bias: Optional[str] = None, mask_expr: Optional[tuple] = None,
-                   score_expr: Optional[tuple] = None) -> Variant:
+                   score_expr: Optional[tuple] = None, arch: Optional[str] = None) -> Variant:
+    """``arch`` is the device's (``jit.device_arch()``); on sm_90 the wgmma family is used wherever
+    it has a tile for the head dim and block sizes, unless OMNICUPY_MMA says otherwise."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ArgumentError(f"q: head_dim {head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
     if stages is None:
@@ -82,18 +107,39 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     # A fused mask expression keeps the tile of the stored-bits kernel, so that the two give
     # bit-identical outputs; per-score work (bias, score modifier) needs the leaner feature tiles.
     extras = bias is not None or score_expr is not None
+    family = env.mma_family()
+    if family != "sync" and arch is not None and arch.rstrip("a") == "sm_90":
+        wg = _wgmma_tile(head_dim, stages, q_block_size, kv_block_size)
+        if wg is not None and extras:
+            wg = Tile(wg.br, wg.bc, wg.warps)  # per-score work needs the registers the pipeline holds P in
+        if wg is not None:
+            return Variant(head_dim, dtype, wg.br, wg.bc, wg.warps, stages, causal, partial, bias, mask_expr, score_expr,
+                           mma="wgmma", overlap=wg.overlap)
+    if family == "wgmma":
+        raise ArgumentError(
+            f"OMNICUPY_MMA=wgmma, but no wgmma kernel fits (device arch {arch}, head_dim {head_dim}, "
+            f"q_block_size {q_block_size}, kv_block_size {kv_block_size}); wgmma needs sm_90, head_dim in "
+            f"{WGMMA_HEAD_DIMS} and q blocks a multiple of 64")
     tile = select_tile(head_dim, stages, q_block_size, kv_block_size, extras)
     return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, stages, causal, partial, bias, mask_expr, score_expr)
 
 
-def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, stages=(1, 2)) -> list[Variant]:
-    """Every tuned variant with every mask-feature combination: what CI compiles and the CLI precompiles."""
+def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, stages=(1, 2),
+                     families=("sync", "wgmma")) -> list[Variant]:
+    """Every tuned variant with every mask-feature combination: what CI compiles and the CLI precompiles.
+
+    wgmma variants build for sm_90 only (as sm_90a); see Variant.target_arch."""
     out = []
-    for hd in head_dims:
-        for dt in dtypes:
-            for st in stages:
-                tile = TUNED[(hd, st)]
-                for causal in (False, True):
-                    for partial in (False, True):
-                        out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial))
+    for family in families:
+        table = WGMMA_TUNED if family == "wgmma" else TUNED
+        for hd in head_dims:
+            for dt in dtypes:
+                for st in stages:
+                    tile = table.get((hd, st))
+                    if tile is None:
+                        continue
+                    for causal in (False, True):
+                        for partial in (False, True):
+                            out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, mma=family,
+                                               overlap=tile.overlap))
     return out

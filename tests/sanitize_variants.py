@@ -1,6 +1,6 @@
 """Run every shipped variant once on a small shape, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck  python3 tests/sanitize_variants.py [--head-dims 64]
+    compute-sanitizer --tool memcheck  python3 tests/sanitize_variants.py [--head-dims 64] [--families wgmma]
     compute-sanitizer --tool racecheck python3 tests/sanitize_variants.py
 
 Each variant gets a mask with exactly its features (plain: full; causal: causal; partial: random
@@ -12,6 +12,7 @@ Exits 1 if any output is wrong.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -38,22 +39,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="32,64,96,128,256")
     ap.add_argument("--n", type=int, default=261)
+    ap.add_argument("--families", default="sync,wgmma", help="kernel families (wgmma runs on sm_90 only)")
     args = ap.parse_args(argv)
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
+    families = tuple(args.families.split(","))
+    if cp_arch() != "sm_90":
+        families = tuple(f for f in families if f != "wgmma")
     rng = np.random.default_rng(0)
     failures = 0
-    for variant in tiles.shipped_variants(head_dims=head_dims):
+    for variant in tiles.shipped_variants(head_dims=head_dims, families=families):
+        os.environ["OMNICUPY_MMA"] = variant.mma  # attention() picks this family's tuned tile
         bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)
         if (bm.features.causal, bm.features.partial) != (variant.causal, variant.partial):
             bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)  # resample a degenerate draw
         q, k, v = random_qkv(rng, 1, 2, args.n, variant.head_dim, variant.dtype)
         out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), bm, stages=variant.stages)
         failures += report(variant.name, out, reference.attention(q, k, v, dense), variant.dtype)
-    failures += run_feature_variants(rng, head_dims, args.n)
+    for family in families:
+        os.environ["OMNICUPY_MMA"] = family
+        failures += run_feature_variants(rng, head_dims, args.n, family)
     return 1 if failures else 0
 
 
-def run_feature_variants(rng, head_dims, n) -> int:
+def cp_arch() -> str:
+    return omnicupy.jit.device_arch()
+
+
+def run_feature_variants(rng, head_dims, n, family) -> int:
     """Bias + score modifier, a fused mask reading a device array, bottom-right causal."""
     import cupy as cp
 
@@ -66,6 +78,8 @@ def run_feature_variants(rng, head_dims, n) -> int:
     failures = 0
     for hd in head_dims:
         for stages in (1, 2):
+            if family == "wgmma" and (hd, stages) not in tiles.WGMMA_TUNED:
+                continue
             q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16", Nkv=n + 5)
             bias = rng.standard_normal((1, 2, n, n + 5)).astype(np.float32)
             cases = [
@@ -77,10 +91,10 @@ def run_feature_variants(rng, head_dims, n) -> int:
             ]
             for name, kw, ref_kw in cases:
                 out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), stages=stages, **kw)
-                failures += report(f"hd{hd} st{stages} {name}", out, reference.attention(q, k, v, **ref_kw), "fp16")
+                failures += report(f"{family} hd{hd} st{stages} {name}", out, reference.attention(q, k, v, **ref_kw), "fp16")
             q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16")
             out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), bm_doc, stages=stages, fuse_mask=True)
-            failures += report(f"hd{hd} st{stages} fused-document", out, reference.attention(q, k, v, fused), "fp16")
+            failures += report(f"{family} hd{hd} st{stages} fused-document", out, reference.attention(q, k, v, fused), "fp16")
     return failures
 
 

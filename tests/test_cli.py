@@ -87,16 +87,17 @@ def test_precompile_without_gpu_for_sm80_and_sm90(warm_cache):
     listing = omnicupy("cache", "list", cache=warm_cache)
     assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("omni_fwd_")]
-    assert len(rows) == 8
-    assert sorted({row[1] for row in rows}) == ["sm_80", "sm_90"]
+    assert len(rows) == 12  # 4 mma.sync variants for each arch, 4 wgmma ones for sm_90 (as sm_90a)
+    assert sorted({row[1] for row in rows}) == ["sm_80", "sm_90", "sm_90a"]
     assert all(row[0].startswith("omni_fwd_fp16_hd64_") and "_st2" in row[0] for row in rows)
-    assert "8 variants" in listing.stdout
+    assert all(("_wgmma" in row[0]) == (row[1] == "sm_90a") for row in rows)
+    assert "12 variants" in listing.stdout
 
 
 def test_precompile_again_hits_the_cache(warm_cache):
     result = omnicupy("precompile", "--arch", "sm_80,sm_90", *SMALL, "--jobs", "1", cache=warm_cache)
     assert result.returncode == 0, result.stderr
-    assert "0 built, 8 already cached, 0 failed" in result.stdout
+    assert "0 built, 12 already cached, 0 failed" in result.stdout
     assert "bytes" in result.stdout
 
 
@@ -114,7 +115,8 @@ def test_precompile_default_set_without_gpu(cache):
     result = omnicupy("precompile", "--dry-run", cache=cache)
     assert result.returncode == 0, result.stderr
     pairs = [line.split() for line in result.stdout.splitlines()]
-    expected = {(v.name, arch) for v in tiles.shipped_variants() for arch in ("sm_80", "sm_90")}
+    expected = {(v.name, arch) for v in tiles.shipped_variants() for arch in ("sm_80", "sm_90")
+                if v.mma == "sync" or arch == "sm_90"}
     assert {tuple(p) for p in pairs} == expected and len(pairs) == len(expected)
     assert "no GPU" in result.stderr
     assert not cache.exists() or not any(cache.rglob("*.cubin"))
@@ -164,10 +166,10 @@ def test_cache_clear(tmp_path, warm_cache):
     result = omnicupy("cache", "clear", "--older-than", "2", cache=cache)
     assert result.returncode == 0 and "removed 1 entries" in result.stdout
     assert not meta_path.exists() and not meta_path.with_suffix(".cubin").exists()
-    assert len(list((cache / "v1").glob("*.cubin"))) == 7
+    assert len(list((cache / "v1").glob("*.cubin"))) == 11
 
     result = omnicupy("cache", "clear", cache=cache)
-    assert result.returncode == 0 and "removed 7 entries" in result.stdout
+    assert result.returncode == 0 and "removed 11 entries" in result.stdout
     assert "older cache formats" in result.stdout
     assert [p for p in cache.rglob("*") if p.is_file()] == []
     assert "no compiled variants" in omnicupy("cache", "list", cache=cache).stdout

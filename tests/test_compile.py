@@ -1,4 +1,6 @@
-"""Render and NVRTC-compile every shipped variant for sm_80 and sm_90 (no GPU needed)."""
+"""Render and NVRTC-compile every shipped variant for sm_80 and sm_90 (no GPU needed).
+
+mma.sync variants build for both archs; wgmma variants for sm_90 only, as sm_90a."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ from omnicupy.jit.cache import DiskCache
 
 SHIPPED = tiles.shipped_variants()
 ARCHS = ("sm_80", "sm_90")
+BUILDS = [(v, arch) for v in SHIPPED for arch in ARCHS if v.mma == "sync" or arch == "sm_90"]
 
 
 @pytest.fixture(scope="module")
@@ -17,13 +20,15 @@ def compile_cache(tmp_path_factory):
     return DiskCache(tmp_path_factory.mktemp("kernel-cache"))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", SHIPPED, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant,arch", BUILDS, ids=lambda x: getattr(x, "name", x))
 def test_shipped_variant_compiles(variant, arch, compile_cache):
     entry, built = jit.build(variant, arch, cache=compile_cache)
     assert built
-    assert entry.size > 1000 and entry.meta["kernel"] == variant.name and entry.meta["arch"] == arch
+    target = "sm_90a" if variant.mma == "wgmma" else arch
+    assert entry.size > 1000 and entry.meta["kernel"] == variant.name and entry.meta["arch"] == target
     assert entry.meta["registers"] is not None and entry.meta["registers"] <= 255
+    if variant.mma == "wgmma":  # the wgmma tiles were chosen spill-free (NOTES.md §9)
+        assert entry.meta["spill_bytes"] == 0
     # A second request is a verified cache hit, not a recompile.
     again, built_again = jit.build(variant, arch, cache=compile_cache)
     assert not built_again and again.binary_path == entry.binary_path
@@ -39,7 +44,7 @@ def test_template_is_strict():
     """A missing template parameter is an error, never an empty string in the kernel."""
     import jinja2
 
-    template = render._environment().get_template(render.TEMPLATE_NAME)
+    template = render._environment().get_template(SHIPPED[0].template)
     params = SHIPPED[0].template_params()
     del params["bc"]
     with pytest.raises(jinja2.UndefinedError):
@@ -62,3 +67,28 @@ def test_normalize_arch(arch, expected):
 def test_bad_arch_is_rejected():
     with pytest.raises(ValueError, match="sm_80"):
         compiler.normalize_arch("hopper")
+
+
+def test_wgmma_variants_are_shipped_for_their_head_dims():
+    wgmma = [v for v in SHIPPED if v.mma == "wgmma"]
+    assert {v.head_dim for v in wgmma} == {hd for hd, _ in tiles.WGMMA_TUNED}
+    assert all(v.name.split("_st2_")[1].startswith("wgmma") for v in wgmma)
+
+
+def test_wgmma_variant_refuses_other_archs():
+    variant = next(v for v in SHIPPED if v.mma == "wgmma")
+    with pytest.raises(ValueError, match="sm_90"):
+        jit.build(variant, "sm_80")
+    assert not jit.arch_supports(variant, "sm_80") and jit.arch_supports(variant, "sm_90")
+
+
+def test_generated_wgmma_header_is_current():
+    """kernels/wgmma_ops.cuh is what tools/gen_wgmma_ops.py writes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gen_wgmma_ops.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma_ops", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.target().read_text() == gen.render()

@@ -60,7 +60,7 @@ def build(variant: Variant, arch: str, cache: Optional[DiskCache] = None) -> tup
 
     Returns ``(entry, built)``; ``built`` is False on a cache hit."""
     cache = cache or default_cache()
-    arch = normalize_arch(arch)
+    arch = variant.target_arch(normalize_arch(arch))
     source = render_source(variant)
     stem = cache_stem(variant, arch, source)
 
@@ -130,6 +130,9 @@ def get_kernel(variant: Variant):
 
 
 def arch_supports(variant: Variant, arch: str) -> bool:
-    """Whether ``variant`` fits the arch's shared memory per block (opt-in maximum)."""
+    """Whether ``variant`` runs on the arch: wgmma needs sm_90, and it must fit the arch's shared
+    memory per block (opt-in maximum)."""
+    if variant.mma == "wgmma" and arch_number(arch) != 90:
+        return False
     limits = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
     return variant.smem_bytes <= limits.get(arch_number(arch), 99 * 1024)

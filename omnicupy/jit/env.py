@@ -8,6 +8,7 @@ Every variable starts with ``OMNICUPY_``; booleans are parsed by ``env_flag`` al
 | OMNICUPY_KEEP_SOURCE | 0 | keep each rendered .cu beside its cubin |
 | OMNICUPY_LINEINFO | 0 | compile with -lineinfo (for ncu / compute-sanitizer source lines) |
 | OMNICUPY_VERBOSE | 0 | log compiles and cache hits to stderr |
+| OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma |
 """
 from __future__ import annotations
 
@@ -66,3 +67,13 @@ def lineinfo() -> bool:
 
 def verbose() -> bool:
     return env_flag("OMNICUPY_VERBOSE")
+
+
+MMA_CHOICES = ("auto", "sync", "wgmma")
+
+
+def mma_family() -> str:
+    raw = os.environ.get("OMNICUPY_MMA", "auto").strip().lower() or "auto"
+    if raw not in MMA_CHOICES:
+        raise ValueError(f"environment variable OMNICUPY_MMA={raw!r} must be one of {MMA_CHOICES}")
+    return raw

@@ -8,8 +8,6 @@ import jinja2
 from . import env
 from .variant import Variant
 
-TEMPLATE_NAME = "attention_fwd.cu.jinja"
-
 
 @functools.lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
@@ -22,7 +20,7 @@ def _environment() -> jinja2.Environment:
 
 
 def render_source(variant: Variant) -> str:
-    return _environment().get_template(TEMPLATE_NAME).render(**variant.template_params())
+    return _environment().get_template(variant.template).render(**variant.template_params())
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,6 +11,12 @@ SUPPORTED_STAGES = (1, 2)
 SMEM_PAD_ELEMS = 8  # per smem row; must match kLd in the template
 BIAS_DTYPES = ("fp16", "bf16", "fp32")
 
+#: Kernel families: the matrix instruction each is built on, and its template.
+TEMPLATES = {"sync": "attention_fwd.cu.jinja", "wgmma": "attention_fwd_sm90.cu.jinja"}
+WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
+WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
+SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
+
 
 @dataclass(frozen=True, order=True)
 class Variant:
@@ -34,6 +40,10 @@ class Variant:
     mask_expr: Optional[tuple] = None
     #: expressions.CudaExpr.key of a score modifier applied to every score.
     score_expr: Optional[tuple] = None
+    #: "sync" (mma.sync, sm_80+) or "wgmma" (Hopper warpgroup MMA, sm_90a only).
+    mma: str = "sync"
+    #: wgmma only: run P V of the previous tile behind S of this one (software pipeline).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
@@ -48,6 +58,18 @@ class Variant:
             raise ValueError(f"br={self.br} must be a multiple of 16 * warps ({self.warps})")
         if self.bc % 32 or self.bc < 32:
             raise ValueError(f"bc={self.bc} must be a positive multiple of 32")
+        if self.mma not in TEMPLATES:
+            raise ValueError(f"mma must be one of {tuple(TEMPLATES)}, got {self.mma!r}")
+        if self.overlap and self.mma != "wgmma":
+            raise ValueError("overlap is a wgmma pipeline option")
+        if self.mma == "wgmma":
+            if self.head_dim not in WGMMA_HEAD_DIMS:
+                raise ValueError(f"the wgmma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
+            if self.br % 64 or self.warps != self.br // 16:
+                raise ValueError(f"wgmma: br={self.br} must be a multiple of 64 with one warp per 16 rows "
+                                 f"(warps={self.br // 16}), got warps={self.warps}")
+            if self.bc not in WGMMA_BC:
+                raise ValueError(f"wgmma: bc must be one of {WGMMA_BC}, got {self.bc}")
 
     @property
     def name(self) -> str:
@@ -57,8 +79,10 @@ class Variant:
         for label, key in (("mask", self.mask_expr), ("score", self.score_expr)):
             if key is not None:
                 features += f"_{label}{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
+        family = ("_wgmma" + ("o" if self.overlap else "")) if self.mma == "wgmma" else ""
         return (
-            f"omni_fwd_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}{features}"
+            f"omni_fwd_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
+            f"{family}{features}"
         )
 
     @property
@@ -67,13 +91,32 @@ class Variant:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the Q tile plus one (kStage 1) or two (kStage 2) kv tiles."""
+        """Dynamic shared memory: the Q tile plus the kv tiles.
+
+        mma.sync: padded rows; kStage 1 shares one buffer between K and V, kStage 2 has one of each.
+        wgmma: unpadded swizzled rows, ``stages`` buffers of K and V, plus one swizzle atom of slack
+        to align the tiles."""
+        if self.mma == "wgmma":
+            return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2
         row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
         return (self.br + self.stages * self.bc) * row_bytes
+
+    @property
+    def template(self) -> str:
+        return TEMPLATES[self.mma]
+
+    def target_arch(self, arch: str) -> str:
+        """The arch to compile for on a device of ``arch``: wgmma needs sm_90a, and only sm_90 has it."""
+        if self.mma != "wgmma":
+            return arch
+        if arch.rstrip("a") != "sm_90":
+            raise ValueError(f"{self.name} uses wgmma, which only sm_90 (Hopper) has; cannot build for {arch}")
+        return "sm_90a"
 
     def template_params(self) -> dict:
         params = {f.name: getattr(self, f.name) for f in fields(self)}
         params["variant_name"] = self.name
+        params["smem_bytes"] = self.smem_bytes
         params["mask_expr"] = _expr_params(self.mask_expr)
         params["score_expr"] = _expr_params(self.score_expr)
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).

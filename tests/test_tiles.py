@@ -1,0 +1,73 @@
+"""Variant selection: which kernel family and tile a call gets (no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+
+from omnicupy import tiles
+from omnicupy.errors import ArgumentError
+from omnicupy.jit.variant import Variant
+
+# (head_dim, stages, q_block, kv_block, arch, OMNICUPY_MMA) -> expected family
+SELECTION = [
+    (64, None, 128, 128, "sm_90", "auto", "wgmma"),
+    (128, 2, 128, 128, "sm_90", "auto", "wgmma"),
+    (256, None, 128, 128, "sm_90", "auto", "wgmma"),
+    (128, None, 128, 128, "sm_80", "auto", "sync"),     # wgmma is Hopper-only
+    (128, None, 128, 128, "sm_100", "auto", "sync"),    # sm_90a code does not run on later archs
+    (128, None, 128, 128, None, "auto", "sync"),        # arch unknown: the portable family
+    (128, 1, 128, 128, "sm_90", "auto", "sync"),        # no single-buffer wgmma kernel
+    (96, None, 128, 128, "sm_90", "auto", "sync"),      # the swizzle needs 64-column blocks
+    (32, None, 128, 128, "sm_90", "auto", "sync"),
+    (128, None, 32, 128, "sm_90", "auto", "sync"),      # q blocks below one warpgroup's 64 rows
+    (128, None, 64, 64, "sm_90", "auto", "wgmma"),      # the 64x64 fallback tile
+    (128, None, 128, 128, "sm_90", "sync", "sync"),
+]
+
+
+@pytest.mark.parametrize("hd,stages,qb,kvb,arch,env,family", SELECTION)
+def test_family_selection(monkeypatch, hd, stages, qb, kvb, arch, env, family):
+    monkeypatch.setenv("OMNICUPY_MMA", env)
+    variant = tiles.select_variant(hd, "fp16", stages, qb, kvb, True, False, arch=arch)
+    assert variant.mma == family
+    assert qb % variant.br == 0 and kvb % variant.bc == 0
+
+
+def test_forced_wgmma_that_cannot_apply_is_an_argument_error(monkeypatch):
+    monkeypatch.setenv("OMNICUPY_MMA", "wgmma")
+    with pytest.raises(ArgumentError, match="OMNICUPY_MMA=wgmma"):
+        tiles.select_variant(96, "fp16", None, 128, 128, False, False, arch="sm_90")
+
+
+def test_bad_mma_environment_value(monkeypatch):
+    monkeypatch.setenv("OMNICUPY_MMA", "tensor")
+    with pytest.raises(ValueError, match="OMNICUPY_MMA"):
+        tiles.select_variant(64, "fp16", None, 128, 128, False, False, arch="sm_90")
+
+
+def test_per_score_work_drops_the_overlapped_pipeline(monkeypatch):
+    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    assert tiles.WGMMA_TUNED[(256, 2)].overlap
+    plain = tiles.select_variant(256, "fp16", None, 128, 128, False, False, arch="sm_90")
+    biased = tiles.select_variant(256, "fp16", None, 128, 128, False, False, bias="fp32", arch="sm_90")
+    assert plain.overlap and not biased.overlap and biased.mma == "wgmma"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(head_dim=96, br=128, bc=64, warps=8), "head_dim"),
+    (dict(head_dim=64, br=96, bc=64, warps=6), "multiple of 64"),
+    (dict(head_dim=64, br=128, bc=64, warps=4), "one warp per 16 rows"),
+    (dict(head_dim=64, br=128, bc=96, warps=8), "bc must be one of"),
+])
+def test_bad_wgmma_variant(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Variant(dtype="fp16", stages=2, mma="wgmma", **kwargs)
+
+
+def test_overlap_needs_wgmma():
+    with pytest.raises(ValueError, match="overlap"):
+        Variant(64, "fp16", 128, 64, 4, 2, overlap=True)
+
+
+def test_wgmma_shared_memory_counts_both_buffers_and_alignment_slack():
+    v = Variant(128, "fp16", 128, 128, 8, 2, mma="wgmma")
+    assert v.smem_bytes == 1024 + (128 + 2 * 2 * 128) * 128 * 2
