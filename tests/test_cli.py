@@ -183,7 +183,7 @@ def test_info_without_gpu(warm_cache):
     assert fields["omnicupy"].startswith("0.")
     assert fields["cupy"][0].isdigit()
     assert fields["nvrtc"][0].isdigit() and "sm_90" in fields["nvrtc"]
-    assert fields["cache"].startswith(str(warm_cache)) and "(8 variants" in fields["cache"]
+    assert fields["cache"].startswith(str(warm_cache)) and "(12 variants" in fields["cache"]
     if not arrays.gpu_available():
         assert fields["driver"] == "none"
         assert fields["device"].startswith("none")
@@ -194,7 +194,8 @@ def test_demo_without_gpu_compiles_instead(cache):
     result = omnicupy("demo", "--head-dim", "64", "--dtype", "fp16", "--jobs", "2", cache=cache)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("no GPU: compiling the default variants instead")
-    assert "16 built, 0 already cached, 0 failed" in result.stdout  # 8 hd64 fp16 variants x (sm_80, sm_90)
+    # 8 hd64 fp16 mma.sync variants x (sm_80, sm_90) + 4 wgmma ones for sm_90
+    assert "20 built, 0 already cached, 0 failed" in result.stdout
 
 
 def test_bench_without_harness(tmp_path, cache):
