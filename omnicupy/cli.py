@@ -466,7 +466,7 @@ def run_demo(args) -> int:
     np_dtype = np.dtype(np.float16) if dtype == "fp16" else arrays.BFLOAT16
     q, k, v = (rng.standard_normal((B, H, N, D), dtype=cp.float32).astype(np_dtype) for _ in range(3))
     variant = tiles.select_variant(D, dtype, None, bm.q_block_size, bm.kv_block_size,
-                                   bm.features.causal, bm.features.partial)
+                                   bm.features.causal, bm.features.partial, arch=jit.device_arch())
     start = time.perf_counter()
     out = omnicupy.attention(q, k, v, bm)
     cp.cuda.get_current_stream().synchronize()
