@@ -245,7 +245,7 @@ def plan(variants: Sequence[jit.Variant], archs: Sequence[str]) -> tuple[list[tu
     tasks, skipped = [], 0
     for arch in archs:
         for variant in variants:
-            if variant.mma == "wgmma" and jit.arch_number(arch) != 90:
+            if variant.mma == "wgmma" and not jit.has_wgmma(arch):
                 continue
             if jit.arch_supports(variant, arch):
                 tasks.append((variant, arch))

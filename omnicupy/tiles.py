@@ -11,7 +11,7 @@ from typing import Iterator, Mapping, Optional
 
 from .errors import ArgumentError
 from .jit import env
-from .jit.variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
+from .jit.variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant, has_wgmma
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     # bit-identical outputs; per-score work (bias, score modifier) needs the leaner feature tiles.
     extras = bias is not None or score_expr is not None
     family = env.mma_family()
-    if family != "sync" and arch is not None and arch.rstrip("a") == "sm_90":
+    if family != "sync" and arch is not None and has_wgmma(arch):
         wg = _wgmma_tile(head_dim, stages, q_block_size, kv_block_size)
         if wg is not None and extras:
             wg = Tile(wg.br, wg.bc, wg.warps)  # per-score work needs the registers the pipeline holds P in

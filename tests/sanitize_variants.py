@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
     families = tuple(args.families.split(","))
-    if cp_arch() != "sm_90":
+    if not omnicupy.jit.has_wgmma(omnicupy.jit.device_arch()):
         families = tuple(f for f in families if f != "wgmma")
     rng = np.random.default_rng(0)
     failures = 0
@@ -59,10 +59,6 @@ def main(argv=None) -> int:
         os.environ["OMNICUPY_MMA"] = family
         failures += run_feature_variants(rng, head_dims, args.n, family)
     return 1 if failures else 0
-
-
-def cp_arch() -> str:
-    return omnicupy.jit.device_arch()
 
 
 def run_feature_variants(rng, head_dims, n, family) -> int:

@@ -16,11 +16,11 @@ from . import env
 from .cache import CACHE_FORMAT, CacheEntry, DiskCache
 from .compiler import CompileResult, arch_number, compile_cubin, normalize_arch, nvrtc_version, supported_archs
 from .render import headers_digest_material, render_source
-from .variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
+from .variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant, has_wgmma
 
 __all__ = [
     "Variant", "build", "get_kernel", "device_arch", "default_cache", "cache_stem", "SUPPORTED_HEAD_DIMS",
-    "SUPPORTED_DTYPES", "SUPPORTED_STAGES", "CacheEntry", "DiskCache",
+    "SUPPORTED_DTYPES", "SUPPORTED_STAGES", "CacheEntry", "DiskCache", "has_wgmma",
 ]
 
 
@@ -132,7 +132,7 @@ def get_kernel(variant: Variant):
 def arch_supports(variant: Variant, arch: str) -> bool:
     """Whether ``variant`` runs on the arch: wgmma needs sm_90, and it must fit the arch's shared
     memory per block (opt-in maximum)."""
-    if variant.mma == "wgmma" and arch_number(arch) != 90:
+    if variant.mma == "wgmma" and not has_wgmma(arch):
         return False
     limits = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
     return variant.smem_bytes <= limits.get(arch_number(arch), 99 * 1024)

@@ -5,6 +5,8 @@ import hashlib
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .compiler import normalize_arch
+
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = ("fp16", "bf16")
 SUPPORTED_STAGES = (1, 2)
@@ -16,6 +18,11 @@ TEMPLATES = {"sync": "attention_fwd.cu.jinja", "wgmma": "attention_fwd_sm90.cu.j
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
+
+
+def has_wgmma(arch: str) -> bool:
+    """Whether code for ``arch`` ('sm_90', '90', 'sm_90a', ...) can use wgmma: sm_90 only (as sm_90a)."""
+    return normalize_arch(arch).rstrip("a") == "sm_90"
 
 
 @dataclass(frozen=True, order=True)
@@ -109,7 +116,7 @@ class Variant:
         """The arch to compile for on a device of ``arch``: wgmma needs sm_90a, and only sm_90 has it."""
         if self.mma != "wgmma":
             return arch
-        if arch.rstrip("a") != "sm_90":
+        if not has_wgmma(arch):
             raise ValueError(f"{self.name} uses wgmma, which only sm_90 (Hopper) has; cannot build for {arch}")
         return "sm_90a"
 
