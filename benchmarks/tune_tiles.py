@@ -63,15 +63,15 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dtype", default="fp16")
-    ap.add_argument("--tiles", default="", help="br:bc:warps,... (default: built-in candidates)")
+    ap.add_argument("--tiles", default="", help="br:bc:warps[:o][:pN][:s],... (default: built-in candidates)")
     ap.add_argument("--json", default="")
     ap.add_argument("--mma", choices=("sync", "wgmma"), default="sync", help="kernel family to tune")
     args = ap.parse_args(argv)
     os.environ["OMNICUPY_MMA"] = args.mma
     head_dims = [int(x) for x in args.head_dims.split(",")]
     stages_list = [int(x) for x in args.stages.split(",")]
-    # br:bc:warps, and for wgmma an optional ":o" for the overlapped pipeline
-    candidates = ([tiles.Tile(*map(int, t.split(":")[:3]), t.endswith(":o")) for t in args.tiles.split(",")]
+    # tiles.Tile.parse specs: br:bc:warps[:o][:pN][:s]
+    candidates = ([tiles.Tile.parse(t) for t in args.tiles.split(",")]
                   if args.tiles
                   else WGMMA_CANDIDATES if args.mma == "wgmma" else CANDIDATES)
     B, H, N = args.batch, args.heads, args.n
@@ -98,7 +98,7 @@ def main(argv=None):
                 for tile in candidates:
                     try:
                         v_ = Variant(D, args.dtype, tile.br, tile.bc, tile.warps, st, causal, mma=args.mma,
-                                     overlap=tile.overlap)
+                                     **tile.options())
                     except ValueError:
                         continue
                     if v_.smem_bytes > 227 * 1024:

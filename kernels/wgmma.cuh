@@ -32,6 +32,10 @@ __device__ __forceinline__ u64 descriptor(u32 addr, u32 lbo_bytes, u32 sbo_bytes
          (static_cast<u64>((sbo_bytes >> 4) & 0x3fff) << 32) | (1ull << 62);
 }
 
+// The descriptor of the operand `bytes` further on: the start address field is the low 14 bits
+// (address >> 4), and shared-memory addresses stay below 2^18, so adding never carries out of it.
+__device__ __forceinline__ u64 advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 // Before the first wgmma of a batch: orders this warpgroup's earlier register writes (the A
 // fragment, rescaled accumulators) before the asynchronous reads.
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

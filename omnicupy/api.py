@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import arrays, expressions, jit, tiles
+from . import arrays, expressions, jit, schedule, tiles
 from .block_mask import BlockMask, DeviceMetadata
 from .checks import check_positive_float
 from .errors import ArgumentError, CompileError, MaskError, NoGPUError
@@ -267,6 +267,7 @@ def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: fl
         if b.ndim == 3:  # vector bias: the same row for every query
             st = st[:2] + [0] + st[2:]
         bias_args = [b] + [np.int64(x) for x in st]
+    order = schedule.q_tile_order(bm, variant.br)
     expr_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     args = (
         inp.q, inp.k, inp.v, o, null if lse is None else lse,
@@ -279,6 +280,7 @@ def _launch(inp: _Inputs, o, lse, bm: BlockMask, meta: DeviceMetadata, scale: fl
         np.int32(Hm), np.int32(1 if Bm > 1 else 0), np.int32(1 if Hm > 1 else 0),
         np.int32(bm.num_q_blocks), np.int32(bm.max_blocks),
         np.int32(bm.q_block_size), np.int32(bm.kv_block_size),
+        null if order is None else order,
         np.float32(scale), *bias_args, *expr_arrays,
     )
     grid = (bm.q_len // variant.br + (bm.q_len % variant.br > 0), inp.heads, inp.batch)

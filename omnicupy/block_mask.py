@@ -128,6 +128,7 @@ class BlockMask:
         )
         self.mask_mod = mask_mod
         self._device_cache: dict[int, DeviceMetadata] = {}
+        self._tile_orders: dict = {}  # schedule.q_tile_order, per (device, tile rows)
         self.features = self._validate(_features)
 
     # ------------------------------------------------------------------ shape

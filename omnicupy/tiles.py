@@ -6,6 +6,7 @@ a Variant: the tuned tile if it divides the mask's block sizes, else the best fa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
@@ -20,6 +21,24 @@ class Tile:
     bc: int
     warps: int
     overlap: bool = False  # wgmma only: software-pipelined P V (Variant.overlap)
+    poly_exp: int = 0  # Variant.poly_exp: every poly_exp-th n8 tile's exp2 on the FMA pipe
+    skip_rescale: bool = False  # Variant.skip_rescale: no O rescale when no row max grew
+
+    @classmethod
+    def parse(cls, spec: str) -> "Tile":
+        """'br:bc:warps' plus optional flags: 'o' overlap, 'pN' poly_exp N, 's' skip_rescale (tuning scripts)."""
+        parts = spec.split(":")
+        flags = parts[3:]
+        poly = [int(f[1:]) for f in flags if f.startswith("p")]
+        unknown = [f for f in flags if f not in ("o", "s") and not f.startswith("p")]
+        if len(parts) < 3 or unknown:
+            raise ValueError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN][:s]")
+        return cls(*map(int, parts[:3]), overlap="o" in flags, poly_exp=poly[0] if poly else 0,
+                   skip_rescale="s" in flags)
+
+    def options(self) -> dict:
+        """The Variant fields this tile sets beyond br, bc, warps."""
+        return {"overlap": self.overlap, "poly_exp": self.poly_exp, "skip_rescale": self.skip_rescale}
 
 
 #: (head_dim, stages) -> tuned tile. Chosen by benchmarks/tune_tiles.py on the lent H100/H200;
@@ -111,17 +130,18 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     if family != "sync" and arch is not None and has_wgmma(arch):
         wg = _wgmma_tile(head_dim, stages, q_block_size, kv_block_size)
         if wg is not None and extras:
-            wg = Tile(wg.br, wg.bc, wg.warps)  # per-score work needs the registers the pipeline holds P in
+            wg = dataclasses.replace(wg, overlap=False)  # per-score work needs the registers the pipeline holds P in
         if wg is not None:
             return Variant(head_dim, dtype, wg.br, wg.bc, wg.warps, stages, causal, partial, bias, mask_expr, score_expr,
-                           mma="wgmma", overlap=wg.overlap)
+                           mma="wgmma", **wg.options())
     if family == "wgmma":
         raise ArgumentError(
             f"OMNICUPY_MMA=wgmma, but no wgmma kernel fits (device arch {arch}, head_dim {head_dim}, "
             f"q_block_size {q_block_size}, kv_block_size {kv_block_size}); wgmma needs sm_90, head_dim in "
             f"{WGMMA_HEAD_DIMS} and q blocks a multiple of 64")
     tile = select_tile(head_dim, stages, q_block_size, kv_block_size, extras)
-    return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, stages, causal, partial, bias, mask_expr, score_expr)
+    return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, stages, causal, partial, bias, mask_expr, score_expr,
+                   **tile.options())
 
 
 def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, stages=(1, 2),
@@ -141,5 +161,5 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                     for causal in (False, True):
                         for partial in (False, True):
                             out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, mma=family,
-                                               overlap=tile.overlap))
+                                               **tile.options()))
     return out

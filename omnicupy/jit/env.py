@@ -9,6 +9,7 @@ Every variable starts with ``OMNICUPY_``; booleans are parsed by ``env_flag`` al
 | OMNICUPY_LINEINFO | 0 | compile with -lineinfo (for ncu / compute-sanitizer source lines) |
 | OMNICUPY_VERBOSE | 0 | log compiles and cache hits to stderr |
 | OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma |
+| OMNICUPY_SCHEDULE | lpt | q tile launch order: lpt (heaviest first, from the block mask), natural (last tile first) |
 """
 from __future__ import annotations
 
@@ -76,4 +77,14 @@ def mma_family() -> str:
     raw = os.environ.get("OMNICUPY_MMA", "auto").strip().lower() or "auto"
     if raw not in MMA_CHOICES:
         raise ValueError(f"environment variable OMNICUPY_MMA={raw!r} must be one of {MMA_CHOICES}")
+    return raw
+
+
+SCHEDULE_CHOICES = ("lpt", "natural")
+
+
+def schedule() -> str:
+    raw = os.environ.get("OMNICUPY_SCHEDULE", "lpt").strip().lower() or "lpt"
+    if raw not in SCHEDULE_CHOICES:
+        raise ValueError(f"environment variable OMNICUPY_SCHEDULE={raw!r} must be one of {SCHEDULE_CHOICES}")
     return raw

@@ -51,6 +51,9 @@ class Variant:
     mma: str = "sync"
     #: wgmma only: run P V of the previous tile behind S of this one (software pipeline).
     overlap: bool = False
+    #: Every poly_exp-th n8 tile of S takes its exp2 on the FMA pipe instead of MUFU (0: never).
+    poly_exp: int = 0
+    skip_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
@@ -69,6 +72,8 @@ class Variant:
             raise ValueError(f"mma must be one of {tuple(TEMPLATES)}, got {self.mma!r}")
         if self.overlap and self.mma != "wgmma":
             raise ValueError("overlap is a wgmma pipeline option")
+        if self.poly_exp < 0 or (self.poly_exp and (self.bc // 8) % self.poly_exp):
+            raise ValueError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
         if self.mma == "wgmma":
             if self.head_dim not in WGMMA_HEAD_DIMS:
                 raise ValueError(f"the wgmma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
@@ -87,6 +92,10 @@ class Variant:
             if key is not None:
                 features += f"_{label}{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
         family = ("_wgmma" + ("o" if self.overlap else "")) if self.mma == "wgmma" else ""
+        if self.poly_exp:
+            family += f"_pe{self.poly_exp}"
+        if self.skip_rescale:
+            family += "_sr"
         return (
             f"omni_fwd_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
             f"{family}{features}"

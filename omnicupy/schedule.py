@@ -1,0 +1,54 @@
+"""Launch order of the q tiles: heaviest first (longest-processing-time first).
+
+The grid walks blockIdx.x fastest, so the order of q tiles along x is the order in which one
+(batch, head)'s CTAs reach the SMs. A CTA's time is about its number of kv tiles. When the heavy
+q tiles come last, the final wave is a few long CTAs on otherwise idle SMs; heaviest first leaves
+the short ones to fill in at the end. For causal, full and sliding-window masks heaviest first is
+the kernel's default order (last q tile first), and no order array is passed; for packed
+documents, where the heavy tiles are the ends of long documents, the order comes from the mask.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import arrays
+from .block_mask import BlockMask, BlockType, cdiv
+from .jit import env
+
+#: Relative cost of one kv block by type: a CAUSAL block is computed only up to its diagonal.
+_WEIGHTS = {BlockType.FULL: 2, BlockType.PARTIAL: 2, BlockType.CAUSAL: 1}
+
+
+def q_block_work(bm: BlockMask) -> np.ndarray:
+    """[nQB] int64: the estimated cost of each q block, summed over the mask's batch and head dims."""
+    xp = arrays.array_namespace(bm.kv_num_blocks)
+    types = bm.block_mask_types
+    listed = xp.arange(types.shape[3])[None, None, None, :] < bm.kv_num_blocks[..., None]
+    weight = xp.zeros(types.shape, dtype=xp.int64)
+    for kind, w in _WEIGHTS.items():
+        weight = xp.where(types == int(kind), w, weight)
+    return arrays.to_numpy((weight * listed).sum(axis=(0, 1, 3)))
+
+
+def heaviest_first(work: np.ndarray, q_len: int, q_block_size: int, br: int) -> np.ndarray:
+    """Tile indices (tiles of ``br`` rows) ordered by their block's work, ties by the later tile first."""
+    tiles = np.arange(cdiv(q_len, br))
+    block_work = work[tiles * br // q_block_size]
+    return np.lexsort((-tiles, -block_work)).astype(np.int32)  # last key is the primary one
+
+
+def q_tile_order(bm: BlockMask, br: int) -> Optional[Any]:
+    """Device int32 array: q tile to run for each blockIdx.x, or None when that is the kernel's
+    default order (last tile first) or OMNICUPY_SCHEDULE=natural. Cached on the mask per (device, br)."""
+    if env.schedule() == "natural":
+        return None
+    cp = arrays.cupy_module()
+    key = (cp.cuda.runtime.getDevice(), br)
+    cache = bm._tile_orders
+    if key not in cache:
+        order = heaviest_first(q_block_work(bm), bm.q_len, bm.q_block_size, br)
+        natural = np.arange(order.size - 1, -1, -1, dtype=np.int32)
+        cache[key] = None if np.array_equal(order, natural) else cp.asarray(order)
+    return cache[key]
