@@ -3,7 +3,7 @@
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
         -k regex:'omni_fwd|flash' -c 4 python3 benchmarks/profile_one.py --head-dim 64 --mask sliding_window
 
-``--tile br:bc:warps[:o][:pN][:s]`` (tiles.Tile.parse) overrides the tile of the chosen family (``--mma``).
+``--tile br:bc:warps[:o][:pN]`` (tiles.Tile.parse) overrides the tile of the chosen family (``--mma``).
 """
 from __future__ import annotations
 

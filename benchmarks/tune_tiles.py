@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -63,14 +64,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dtype", default="fp16")
-    ap.add_argument("--tiles", default="", help="br:bc:warps[:o][:pN][:s],... (default: built-in candidates)")
+    ap.add_argument("--tiles", default="", help="br:bc:warps[:o][:pN],... (default: built-in candidates)")
     ap.add_argument("--json", default="")
     ap.add_argument("--mma", choices=("sync", "wgmma"), default="sync", help="kernel family to tune")
     args = ap.parse_args(argv)
     os.environ["OMNICUPY_MMA"] = args.mma
     head_dims = [int(x) for x in args.head_dims.split(",")]
     stages_list = [int(x) for x in args.stages.split(",")]
-    # tiles.Tile.parse specs: br:bc:warps[:o][:pN][:s]
+    # tiles.Tile.parse specs: br:bc:warps[:o][:pN]
     candidates = ([tiles.Tile.parse(t) for t in args.tiles.split(",")]
                   if args.tiles
                   else WGMMA_CANDIDATES if args.mma == "wgmma" else CANDIDATES)
@@ -103,11 +104,21 @@ def main(argv=None):
                         continue
                     if v_.smem_bytes > 227 * 1024:
                         continue
+                    # Blocks that the tile divides (a 192-row tile needs 384-row q blocks), so that
+                    # the call runs this tile and not a fallback.
+                    blocks = dict(q_block_size=math.lcm(128, tile.br), kv_block_size=math.lcm(128, tile.bc))
+                    bm = (omnicupy.BlockMask.causal(N, N, **blocks) if causal else omnicupy.BlockMask.full(N, N, **blocks))
                     with tiles.use_tiles({(D, st): tile}, mma=args.mma):
+                        chosen = tiles.select_variant(D, args.dtype, st, bm.q_block_size, bm.kv_block_size,
+                                                      bm.features.causal, bm.features.partial,
+                                                      arch=omnicupy.jit.device_arch())
+                        if chosen != v_:
+                            print(f"D={D} st={st} {tile}: selection gives {chosen.name}; skipped", file=sys.stderr)
+                            continue
                         try:
-                            out = omnicupy.attention(q, k, v, causal=causal, stages=st)
+                            out = omnicupy.attention(q, k, v, bm, stages=st)
                             err = check_rows(q, k, v, out, causal)
-                            ms = time_ms(lambda: omnicupy.attention(q, k, v, causal=causal, stages=st))
+                            ms = time_ms(lambda: omnicupy.attention(q, k, v, bm, stages=st))
                         except Exception as exc:  # noqa: BLE001 - record and go on
                             print(f"D={D} st={st} {tile}: ERROR {exc}", file=sys.stderr, flush=True)
                             continue

@@ -22,23 +22,21 @@ class Tile:
     warps: int
     overlap: bool = False  # wgmma only: software-pipelined P V (Variant.overlap)
     poly_exp: int = 0  # Variant.poly_exp: every poly_exp-th n8 tile's exp2 on the FMA pipe
-    skip_rescale: bool = False  # Variant.skip_rescale: no O rescale when no row max grew
 
     @classmethod
     def parse(cls, spec: str) -> "Tile":
-        """'br:bc:warps' plus optional flags: 'o' overlap, 'pN' poly_exp N, 's' skip_rescale (tuning scripts)."""
+        """'br:bc:warps' plus optional flags: 'o' overlap, 'pN' poly_exp N (tuning scripts)."""
         parts = spec.split(":")
         flags = parts[3:]
         poly = [int(f[1:]) for f in flags if f.startswith("p")]
-        unknown = [f for f in flags if f not in ("o", "s") and not f.startswith("p")]
+        unknown = [f for f in flags if f != "o" and not (f.startswith("p") and f[1:].isdigit())]
         if len(parts) < 3 or unknown:
-            raise ValueError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN][:s]")
-        return cls(*map(int, parts[:3]), overlap="o" in flags, poly_exp=poly[0] if poly else 0,
-                   skip_rescale="s" in flags)
+            raise ValueError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN]")
+        return cls(*map(int, parts[:3]), overlap="o" in flags, poly_exp=poly[0] if poly else 0)
 
     def options(self) -> dict:
         """The Variant fields this tile sets beyond br, bc, warps."""
-        return {"overlap": self.overlap, "poly_exp": self.poly_exp, "skip_rescale": self.skip_rescale}
+        return {"overlap": self.overlap, "poly_exp": self.poly_exp}
 
 
 #: (head_dim, stages) -> tuned tile. Chosen by benchmarks/tune_tiles.py on the lent H100/H200;
@@ -62,10 +60,12 @@ FEATURE_TILES: dict[tuple[int, int], Tile] = {
 }
 
 #: Hopper's wgmma family (sm_90a): (head_dim, stages) -> tile, one warpgroup per 64 query rows.
-#: Chosen by benchmarks/tune_tiles.py on the lent H200 (NOTES.md §9). The family double-buffers K
-#: and V, so it has no kStage 1: stages=1 selects the mma.sync kernel.
+#: Chosen by benchmarks/tune_masks.py and tune_tiles.py on the lent H200 (NOTES.md §9, §10). At
+#: head_dim 64 one warpgroup per CTA (three CTAs per SM, no barrier shared between warpgroups)
+#: beat two per CTA on every mask. The family double-buffers K and V, so it has no kStage 1:
+#: stages=1 selects the mma.sync kernel.
 WGMMA_TUNED: dict[tuple[int, int], Tile] = {
-    (64, 2): Tile(128, 64, 8), (128, 2): Tile(128, 128, 8), (256, 2): Tile(128, 64, 8, overlap=True),
+    (64, 2): Tile(64, 128, 4), (128, 2): Tile(128, 128, 8), (256, 2): Tile(128, 64, 8, overlap=True),
 }
 
 #: wgmma tiles for block sizes the tuned one does not divide (q blocks must be multiples of 64).

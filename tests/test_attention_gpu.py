@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import omnicupy
-from omnicupy import BlockMask, reference
+from omnicupy import BlockMask, jit, reference, schedule, tiles
 from omnicupy.jit import SUPPORTED_HEAD_DIMS
 
 from helpers import TOLERANCE, random_block_mask, random_qkv, run_and_check
@@ -196,3 +196,42 @@ def test_builtin_masks(factory, q_len, kv_len, block, stages):
     q, k, v = random_qkv(rng, 2, 2, q_len, 64, "fp16", Nkv=kv_len)
     dense = reference.dense_mask_from_mod(mask_mod, 1, 1, q_len, kv_len)
     run_and_check(q, k, v, dense, "fp16", block_mask=bm, stages=stages)
+
+
+# ---------------------------------------------------------------- variant options and launch order
+@pytest.mark.parametrize("mask_kind", ["causal", "mixed"])
+@pytest.mark.parametrize("family,head_dim,tile", [
+    ("sync", 128, tiles.Tile(128, 64, 4, poly_exp=8)),
+    ("wgmma", 64, tiles.Tile(64, 128, 4, poly_exp=4)),
+    ("wgmma", 128, tiles.Tile(128, 128, 8, poly_exp=8)),
+])
+def test_exp2_on_the_fma_pipe(monkeypatch, family, head_dim, tile, mask_kind):
+    """poly_exp variants (part of the exps from a polynomial): same accuracy, empty rows still 0."""
+    if family == "wgmma" and not jit.has_wgmma(jit.device_arch()):
+        pytest.skip("wgmma needs sm_90")
+    monkeypatch.setenv("OMNICUPY_MMA", family)
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, 2, 700, head_dim, "fp16")
+    bm, causal, dense = mask_for(mask_kind, rng, 2, 2, 700, 700)
+    with tiles.use_tiles({(head_dim, 2): tile}, mma=family):
+        chosen = tiles.select_variant(head_dim, "fp16", 2, 128, 128, causal or mask_kind == "mixed",
+                                      mask_kind == "mixed", arch=jit.device_arch())
+        assert chosen.poly_exp == tile.poly_exp
+        run_and_check(q, k, v, dense, "fp16", block_mask=bm, causal=causal, stages=2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_launch_order_does_not_change_results(monkeypatch, head_dim):
+    """Packed documents get a heaviest-first q tile order; every tile still runs exactly once, and
+    the output is bitwise that of the default order."""
+    rng = np.random.default_rng()
+    ids = np.repeat(np.arange(5), [200, 900, 64, 700, 136])
+    n = ids.size
+    bm = BlockMask.from_mask_mod(omnicupy.masks.document(ids, causal=True), None, None, n, n)
+    assert schedule.q_tile_order(bm, 64) is not None
+    q, k, v = random_qkv(rng, 2, 2, n, head_dim, "fp16")
+    dense = reference.dense_mask_from_mod(omnicupy.masks.document(ids, causal=True), 1, 1, n, n)
+    _, lpt = run_and_check(q, k, v, dense, "fp16", block_mask=bm)
+    monkeypatch.setenv("OMNICUPY_SCHEDULE", "natural")
+    _, natural = run_and_check(q, k, v, dense, "fp16", block_mask=bm)
+    np.testing.assert_array_equal(lpt, natural)

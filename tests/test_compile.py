@@ -9,6 +9,7 @@ from omnicupy import jit, tiles
 from omnicupy.errors import CompileError
 from omnicupy.jit import compiler, render
 from omnicupy.jit.cache import DiskCache
+from omnicupy.jit.variant import WGMMA_HEAD_DIMS, Variant
 
 SHIPPED = tiles.shipped_variants()
 ARCHS = ("sm_80", "sm_90")
@@ -32,6 +33,21 @@ def test_shipped_variant_compiles(variant, arch, compile_cache):
     # A second request is a verified cache hit, not a recompile.
     again, built_again = jit.build(variant, arch, cache=compile_cache)
     assert not built_again and again.binary_path == entry.binary_path
+
+
+# Kernels a call can get besides the tuned ones: the fallback tiles (block sizes the tuned tile
+# does not divide) and the variant options that no tuned tile uses yet.
+OTHER_WGMMA = [Variant(hd, "fp16", t.br, t.bc, t.warps, 2, True, True, mma="wgmma")
+               for hd in WGMMA_HEAD_DIMS for t in tiles.WGMMA_FALLBACKS]
+POLY_EXP = [Variant(64, "bf16", 64, 128, 4, 2, True, True, mma="wgmma", poly_exp=8),
+            Variant(128, "fp16", 128, 128, 8, 2, False, True, mma="wgmma", poly_exp=4),
+            Variant(128, "fp16", 128, 64, 4, 2, True, False, poly_exp=8)]
+
+
+@pytest.mark.parametrize("variant", OTHER_WGMMA + POLY_EXP, ids=lambda v: v.name)
+def test_fallback_and_option_variants_compile(variant, compile_cache):
+    entry, _ = jit.build(variant, "sm_90", cache=compile_cache)
+    assert entry.meta["kernel"] == variant.name and entry.meta["spill_bytes"] == 0
 
 
 def test_kernel_names_are_unique():

@@ -20,6 +20,7 @@ SELECTION = [
     (32, None, 128, 128, "sm_90", "auto", "sync"),
     (128, None, 32, 128, "sm_90", "auto", "sync"),      # q blocks below one warpgroup's 64 rows
     (128, None, 64, 64, "sm_90", "auto", "wgmma"),      # the 64x64 fallback tile
+    (64, None, 128, 64, "sm_90", "auto", "wgmma"),      # 64-wide kv blocks: the 64x64 fallback
     (128, None, 128, 128, "sm_90", "sync", "sync"),
 ]
 
@@ -71,3 +72,32 @@ def test_overlap_needs_wgmma():
 def test_wgmma_shared_memory_counts_both_buffers_and_alignment_slack():
     v = Variant(128, "fp16", 128, 128, 8, 2, mma="wgmma")
     assert v.smem_bytes == 1024 + (128 + 2 * 2 * 128) * 128 * 2
+
+
+@pytest.mark.parametrize("spec,tile", [
+    ("128:64:8", tiles.Tile(128, 64, 8)),
+    ("128:64:8:o", tiles.Tile(128, 64, 8, overlap=True)),
+    ("64:128:4:p8", tiles.Tile(64, 128, 4, poly_exp=8)),
+    ("128:64:8:o:p4", tiles.Tile(128, 64, 8, overlap=True, poly_exp=4)),
+])
+def test_tile_spec_parses(spec, tile):
+    assert tiles.Tile.parse(spec) == tile
+
+
+@pytest.mark.parametrize("spec", ["128:64", "128:64:8:x", "128:64:8:p", "a:64:8"])
+def test_bad_tile_spec(spec):
+    with pytest.raises(ValueError):
+        tiles.Tile.parse(spec)
+
+
+def test_tile_options_reach_the_variant(monkeypatch):
+    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    with tiles.use_tiles({(128, 2): tiles.Tile(128, 128, 8, poly_exp=8)}, mma="wgmma"):
+        v = tiles.select_variant(128, "fp16", None, 128, 128, True, False, arch="sm_90")
+    assert (v.br, v.bc, v.warps, v.poly_exp, v.mma) == (128, 128, 8, 8, "wgmma") and "_pe8" in v.name
+
+
+@pytest.mark.parametrize("poly_exp", [-1, 3, 16])
+def test_poly_exp_must_divide_the_n8_tiles(poly_exp):
+    with pytest.raises(ValueError, match="poly_exp"):
+        Variant(64, "fp16", 64, 64, 4, 2, poly_exp=poly_exp)  # bc 64: 8 n8 tiles

@@ -53,7 +53,6 @@ class Variant:
     overlap: bool = False
     #: Every poly_exp-th n8 tile of S takes its exp2 on the FMA pipe instead of MUFU (0: never).
     poly_exp: int = 0
-    skip_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
@@ -94,8 +93,6 @@ class Variant:
         family = ("_wgmma" + ("o" if self.overlap else "")) if self.mma == "wgmma" else ""
         if self.poly_exp:
             family += f"_pe{self.poly_exp}"
-        if self.skip_rescale:
-            family += "_sr"
         return (
             f"omni_fwd_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
             f"{family}{features}"
