@@ -107,7 +107,8 @@ def main(argv=None):
                     # Blocks that the tile divides (a 192-row tile needs 384-row q blocks), so that
                     # the call runs this tile and not a fallback.
                     blocks = dict(q_block_size=math.lcm(128, tile.br), kv_block_size=math.lcm(128, tile.bc))
-                    bm = (omnicupy.BlockMask.causal(N, N, **blocks) if causal else omnicupy.BlockMask.full(N, N, **blocks))
+                    make = omnicupy.BlockMask.causal if causal else omnicupy.BlockMask.full
+                    bm = make(N, N, **blocks)
                     with tiles.use_tiles({(D, st): tile}, mma=args.mma):
                         chosen = tiles.select_variant(D, args.dtype, st, bm.q_block_size, bm.kv_block_size,
                                                       bm.features.causal, bm.features.partial,

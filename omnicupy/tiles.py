@@ -130,7 +130,8 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     if family != "sync" and arch is not None and has_wgmma(arch):
         wg = _wgmma_tile(head_dim, stages, q_block_size, kv_block_size)
         if wg is not None and extras:
-            wg = dataclasses.replace(wg, overlap=False)  # per-score work needs the registers the pipeline holds P in
+            # per-score work needs the registers the overlapped pipeline holds P in
+            wg = dataclasses.replace(wg, overlap=False)
         if wg is not None:
             return Variant(head_dim, dtype, wg.br, wg.bc, wg.warps, stages, causal, partial, bias, mask_expr, score_expr,
                            mma="wgmma", **wg.options())
