@@ -17,8 +17,10 @@ from . import arrays
 from .block_mask import BlockMask, BlockType, cdiv
 from .jit import env
 
-#: Relative cost of one kv block by type: a CAUSAL block is computed only up to its diagonal.
-_WEIGHTS = {BlockType.FULL: 2, BlockType.PARTIAL: 2, BlockType.CAUSAL: 1}
+#: Relative cost of one kv block, indexed by BlockType: a CAUSAL block is computed only up to its
+#: diagonal, a MASKED one not at all.
+_WEIGHTS = np.zeros(len(BlockType), dtype=np.int64)
+_WEIGHTS[[BlockType.CAUSAL, BlockType.FULL, BlockType.PARTIAL]] = (1, 2, 2)
 
 
 def q_block_work(bm: BlockMask) -> np.ndarray:
@@ -26,10 +28,8 @@ def q_block_work(bm: BlockMask) -> np.ndarray:
     xp = arrays.array_namespace(bm.kv_num_blocks)
     types = bm.block_mask_types
     listed = xp.arange(types.shape[3])[None, None, None, :] < bm.kv_num_blocks[..., None]
-    weight = xp.zeros(types.shape, dtype=xp.int64)
-    for kind, w in _WEIGHTS.items():
-        weight = xp.where(types == int(kind), w, weight)
-    return arrays.to_numpy((weight * listed).sum(axis=(0, 1, 3)))
+    # Entries past a row's count may hold anything: look up only the listed ones.
+    return arrays.to_numpy(xp.asarray(_WEIGHTS)[xp.where(listed, types, 0)].sum(axis=(0, 1, 3)))
 
 
 def heaviest_first(work: np.ndarray, q_len: int, q_block_size: int, br: int) -> np.ndarray:

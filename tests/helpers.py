@@ -97,16 +97,22 @@ def shuffled(bm: BlockMask, rng) -> BlockMask:
 
 
 def run_and_check(q, k, v, dense, dtype, *, block_mask=None, causal=False, stages=None, scale=None,
-                  check_lse=True, strided=False, bias=None, score_mod=None, fuse_mask=True):
-    """Run omnicupy on device copies (optionally as strided BNHD views) with a NaN-poisoned output
-    buffer, and compare output and LSE with the float64 reference. Returns (error, output)."""
+                  check_lse=True, layout="contiguous", bias=None, score_mod=None, fuse_mask=True):
+    """Run omnicupy on device copies of q, k, v (``layout``: contiguous; "bnhd", strided views of a
+    [B, N, H, D] buffer; "reversed", views with negative sequence strides) with a NaN-poisoned
+    output buffer, and compare output and LSE with the float64 reference. Returns (error, output)."""
     import cupy as cp
 
     def device(x):
-        if not strided:
+        if layout == "contiguous":
             return cp.asarray(x)
-        # A [B, N, H, D] buffer viewed as [B, H, N, D]: strides are not those of a contiguous array.
-        return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        if layout == "bnhd":
+            # A [B, N, H, D] buffer viewed as [B, H, N, D]: strides are not those of a contiguous array.
+            return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        assert layout == "reversed", layout
+        view = cp.asarray(np.ascontiguousarray(x[:, :, ::-1]))[:, :, ::-1]
+        assert view.strides[2] < 0
+        return view
 
     qd, kd, vd = device(q), device(k), device(v)
     out = cp.full(q.shape, np.nan, dtype=q.dtype)  # poisoned: every element must be written

@@ -90,27 +90,15 @@ def test_broadcast_masks(bcast):
     run_and_check(q, k, v, dense, "fp16", block_mask=bm)
 
 
+@pytest.mark.parametrize("layout", ["bnhd", "reversed"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("stages", [1, 2])
-def test_strided_inputs(head_dim, stages):
+def test_strided_inputs(head_dim, stages, layout):
+    """Views with other strides: [B, N, H, D] buffers, and negative sequence strides ([:, :, ::-1])."""
     rng = np.random.default_rng()
     q, k, v = random_qkv(rng, 2, 3, 333, head_dim, "fp16")
     bm, causal, dense = mask_for("mixed", rng, 2, 3, 333, 333)
-    run_and_check(q, k, v, dense, "fp16", block_mask=bm, stages=stages, strided=True)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("stages", [1, 2])
-def test_reversed_sequence_views(head_dim, stages):
-    """Negative row strides (k[:, :, ::-1]) are views like any other."""
-    rng = np.random.default_rng()
-    q, k, v = random_qkv(rng, 2, 2, 333, head_dim, "fp16")
-    bm, _, dense = mask_for("mixed", rng, 2, 2, 333, 333)
-    kd, vd = cp.asarray(k)[:, :, ::-1], cp.asarray(v)[:, :, ::-1]
-    assert kd.strides[2] < 0
-    got = omnicupy.attention(cp.asarray(q), kd, vd, bm, stages=stages).get().astype(np.float64)
-    want = reference.attention(q, k[:, :, ::-1], v[:, :, ::-1], dense)
-    assert reference.relative_error(got, want) <= TOLERANCE["fp16"]
+    run_and_check(q, k, v, dense, "fp16", block_mask=bm, stages=stages, layout=layout)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])

@@ -16,6 +16,14 @@ def test_work_weights_by_block_type():
     assert schedule.q_block_work(bm).tolist() == [2 + 1]
 
 
+@pytest.mark.parametrize("junk", [-1, 77])
+def test_entries_past_the_count_are_ignored(junk):
+    types = np.array([[[[BlockType.FULL, junk]]]], dtype=np.int32)
+    bm = BlockMask(np.array([[[1]]], dtype=np.int32), np.array([[[[0, 1]]]], dtype=np.int32), types,
+                   q_len=128, kv_len=256)
+    assert schedule.q_block_work(bm).tolist() == [2]
+
+
 @pytest.mark.parametrize("work,q_len,qbs,br,expected", [
     ([1, 5, 3], 384, 128, 128, [1, 2, 0]),                    # heaviest first
     ([2, 2, 2], 384, 128, 128, [2, 1, 0]),                    # ties: the later tile first (the kernel's default)
