@@ -38,7 +38,7 @@ HIT_SCRIPT = """\
 import json, sys, time
 t0 = time.perf_counter()
 import omnicupy.jit as jit
-from omnicupy.jit.variant import Variant
+from omnicupy.dispatch.variant import Variant
 t1 = time.perf_counter()
 if sys.argv[3] == "cupy":
     import cupy  # a process that calls attention() has imported CuPy already

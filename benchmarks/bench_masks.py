@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from omnicupy import BlockMask, arrays, builders, masks
-from omnicupy.masks import EVALUATE
+from omnicupy import BlockMask, arrays, masks
+from omnicupy.mask import builders
+from omnicupy.mask.mask_mod import EVALUATE
 
 MASKS = ("causal", "sliding_window_1024", "document", "interleaved")
 

@@ -17,6 +17,7 @@ if __package__ in (None, ""):
 
 import cupy as cp  # noqa: E402
 
+from omnicupy.dispatch.arch import has_wgmma
 import omnicupy  # noqa: E402
 from benchmarks import _cases  # noqa: E402
 from omnicupy import BlockMask, jit, tiles  # noqa: E402
@@ -43,8 +44,8 @@ def main():
     overrides = {}
     if args.tile:
         overrides = {(D, 2): tiles.Tile.parse(args.tile)}
-    family = "wgmma" if args.mma == "wgmma" or (args.mma == "auto" and jit.has_wgmma(jit.device_arch())) else "sync"
-    with tiles.use_tiles(overrides, mma=family):
+    family = "wgmma" if args.mma == "wgmma" or (args.mma == "auto" and has_wgmma(jit.device_arch())) else "sync"
+    with tiles.use_tiles(overrides, family=family):
         for _ in range(args.calls):
             omnicupy.attention(q, k, v, bm, stages=2)
     cp.cuda.Device().synchronize()

@@ -89,7 +89,7 @@ class _AnySeqLen(tuple):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from omnicupy.jit.variant import SUPPORTED_HEAD_DIMS
+    from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Config:
-    from omnicupy.jit.variant import SUPPORTED_HEAD_DIMS
+    from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
 
     parser = build_parser()
     a = parser.parse_args(argv)

@@ -36,7 +36,7 @@ class Config:
 
     @classmethod
     def parse(cls, text: str) -> "Config":
-        from omnicupy import tiles
+        from omnicupy.dispatch import tiles
 
         cfg = cls(text)
         for item in filter(None, text.split(";")):
@@ -54,12 +54,12 @@ class Config:
 
     @contextlib.contextmanager
     def active(self, head_dim: int):
-        from omnicupy import tiles
+        from omnicupy.dispatch import tiles
 
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         try:
-            with tiles.use_tiles({(head_dim, 2): self.tiles[head_dim]} if head_dim in self.tiles else {}, mma="wgmma"):
+            with tiles.use_tiles({(head_dim, 2): self.tiles[head_dim]} if head_dim in self.tiles else {}, family="wgmma"):
                 yield
         finally:
             for k, v in saved.items():
@@ -81,7 +81,8 @@ class Configured(_systems.Omnicupy):
         return self.cfg.active(self.head_dim)
 
     def prepare(self, case, mask, bench):
-        from omnicupy import jit, tiles
+        from omnicupy import jit
+        from omnicupy.dispatch import tiles
 
         bm = bench.omnicupy_mask(mask)
         v = tiles.select_variant(case.head_dim, case.dtype, None, bm.q_block_size, bm.kv_block_size,
@@ -92,7 +93,7 @@ class Configured(_systems.Omnicupy):
 
 def short_name(v) -> str:
     flags = "".join(f for f, on in (("o", v.overlap), (f"p{v.poly_exp}", v.poly_exp)) if on)
-    return f"{v.mma} {v.br}x{v.bc}w{v.warps}{flags}"
+    return f"{v.family} {v.br}x{v.bc}w{v.warps}{flags}"
 
 
 def main(argv=None) -> int:

@@ -17,8 +17,9 @@ import sys
 import numpy as np
 
 import omnicupy
-from omnicupy import reference, tiles
-from omnicupy.jit.variant import Variant
+from omnicupy import reference
+from omnicupy.dispatch import tiles
+from omnicupy.dispatch.variant import Variant
 
 CANDIDATES = [tiles.Tile(*t) for t in [(64, 64, 4), (128, 64, 4), (128, 32, 4), (128, 64, 8), (128, 128, 8),
                                         (64, 128, 4), (64, 32, 4), (128, 32, 8)]]
@@ -98,7 +99,7 @@ def main(argv=None):
             for st in stages_list:
                 for tile in candidates:
                     try:
-                        v_ = Variant(D, args.dtype, tile.br, tile.bc, tile.warps, st, causal, mma=args.mma,
+                        v_ = Variant(D, args.dtype, tile.br, tile.bc, tile.warps, st, causal, family=args.mma,
                                      **tile.options())
                     except ValueError:
                         continue
@@ -109,7 +110,7 @@ def main(argv=None):
                     blocks = dict(q_block_size=math.lcm(128, tile.br), kv_block_size=math.lcm(128, tile.bc))
                     make = omnicupy.BlockMask.causal if causal else omnicupy.BlockMask.full
                     bm = make(N, N, **blocks)
-                    with tiles.use_tiles({(D, st): tile}, mma=args.mma):
+                    with tiles.use_tiles({(D, st): tile}, family=args.mma):
                         chosen = tiles.select_variant(D, args.dtype, st, bm.q_block_size, bm.kv_block_size,
                                                       bm.features.causal, bm.features.partial,
                                                       arch=omnicupy.jit.device_arch())

@@ -10,19 +10,20 @@ from __future__ import annotations
 import importlib
 
 from ._version import __version__
-from .api import attention, omni_attn_mma_blockmask
-from .block_mask import BlockMask, BlockType
+from .dispatch.plan import Plan
+from .ops.forward import attention, omni_attn_mma_blockmask, plan
+from .mask import BlockMask, BlockType
 from .errors import ArgumentError, CompileError, MaskError, NoGPUError, OmnicupyError
-from .expressions import cuda_mask
+from .mask.expressions import cuda_mask
 from . import reference
 
 __all__ = [
-    "__version__", "attention", "omni_attn_mma_blockmask", "BlockMask", "BlockType", "reference", "masks",
+    "__version__", "attention", "plan", "Plan", "omni_attn_mma_blockmask", "BlockMask", "BlockType", "reference", "masks",
     "score_mods", "cuda_mask", "cuda_score",
     "ArgumentError", "CompileError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 
-_LAZY_SUBMODULES = {"masks", "builders", "cli", "jit", "tiles", "score_mods"}
+_LAZY_SUBMODULES = {"masks", "mask", "cli", "jit", "dispatch", "ops", "score_mods"}
 
 
 def __getattr__(name: str):

@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from . import arrays, jit, tiles
+from . import arrays, jit
+from .dispatch import tiles
+from .dispatch.arch import has_wgmma
+from .dispatch.variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
 from ._version import __version__
 from .errors import OmnicupyError
 from .jit import env
@@ -157,7 +160,7 @@ class Outcome:
     error: str = ""
 
 
-def build_one(variant: jit.Variant, arch: str) -> Outcome:
+def build_one(variant: Variant, arch: str) -> Outcome:
     """Render, compile and store one variant (runs in a worker process when --jobs > 1)."""
     start = time.perf_counter()
     try:
@@ -238,16 +241,16 @@ def check_nvrtc_archs(archs: Iterable[str]) -> None:
                              f"(it knows {', '.join(f'sm_{a}' for a in known if a >= MIN_ARCH)})")
 
 
-def plan(variants: Sequence[jit.Variant], archs: Sequence[str]) -> tuple[list[tuple[jit.Variant, str]], int]:
+def plan(variants: Sequence[Variant], archs: Sequence[str]) -> tuple[list[tuple[Variant, str]], int]:
     """(variant, arch) pairs to build, largest head dim first so parallel workers finish together;
     and how many pairs were skipped because the variant's shared memory does not fit the arch.
     wgmma variants exist for sm_90 only and are not planned (nor counted) for other archs."""
     tasks, skipped = [], 0
     for arch in archs:
         for variant in variants:
-            if variant.mma == "wgmma" and not jit.has_wgmma(arch):
+            if variant.family == "wgmma" and not has_wgmma(arch):
                 continue
-            if jit.arch_supports(variant, arch):
+            if variant.runs_on(arch):
                 tasks.append((variant, arch))
             else:
                 skipped += 1
@@ -262,7 +265,7 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_builds(tasks: Sequence[tuple[jit.Variant, str]], jobs: int, progress: Progress) -> list[Outcome]:
+def run_builds(tasks: Sequence[tuple[Variant, str]], jobs: int, progress: Progress) -> list[Outcome]:
     if jobs <= 1 or len(tasks) <= 1:
         outcomes = []
         for variant, arch in tasks:
@@ -286,7 +289,7 @@ def run_builds(tasks: Sequence[tuple[jit.Variant, str]], jobs: int, progress: Pr
     return outcomes
 
 
-def precompile(variants: Sequence[jit.Variant], archs: Sequence[str], why: str, jobs: int, quiet: bool = False) -> int:
+def precompile(variants: Sequence[Variant], archs: Sequence[str], why: str, jobs: int, quiet: bool = False) -> int:
     check_nvrtc_archs(archs)
     tasks, skipped = plan(variants, archs)
     cache = jit.default_cache()
@@ -465,12 +468,12 @@ def run_demo(args) -> int:
     rng = cp.random.default_rng(0)
     np_dtype = np.dtype(np.float16) if dtype == "fp16" else arrays.BFLOAT16
     q, k, v = (rng.standard_normal((B, H, N, D), dtype=cp.float32).astype(np_dtype) for _ in range(3))
-    variant = tiles.select_variant(D, dtype, None, bm.q_block_size, bm.kv_block_size,
-                                   bm.features.causal, bm.features.partial, arch=jit.device_arch())
+    plan = omnicupy.plan(q, k, v, bm)
+    print(plan)
     start = time.perf_counter()
     out = omnicupy.attention(q, k, v, bm)
     cp.cuda.get_current_stream().synchronize()
-    print(f"kernel {variant.name}: first call {time.perf_counter() - start:.2f} s (compile or cache load)")
+    print(f"kernel {plan.kernel}: first call {time.perf_counter() - start:.2f} s (compile or cache load)")
 
     rows = np.sort(np.random.default_rng(0).choice(N, size=min(N, args.check_rows), replace=False))
     expected = _reference_rows(q.get(), k.get(), v.get(), bm, rows)
@@ -500,8 +503,8 @@ def cmd_demo(args) -> int:
     if arrays.gpu_available():
         return run_demo(args)
     print("no GPU: compiling the default variants instead", flush=True)
-    head_dims = (args.head_dim,) if args.head_dim else jit.SUPPORTED_HEAD_DIMS
-    dtypes = (args.dtype,) if args.dtype else jit.SUPPORTED_DTYPES
+    head_dims = (args.head_dim,) if args.head_dim else SUPPORTED_HEAD_DIMS
+    dtypes = (args.dtype,) if args.dtype else SUPPORTED_DTYPES
     variants = tiles.shipped_variants(dtypes=dtypes, head_dims=head_dims)
     return precompile(variants, NO_GPU_ARCHS, "no GPU: the default set", args.jobs)
 
@@ -556,14 +559,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Render and compile kernel variants into the cache, so that attention() never waits for NVRTC. "
                     "Needs no GPU.",
         epilog=f"Default selection: every shipped variant (tiles.shipped_variants(): head dims "
-               f"{','.join(map(str, jit.SUPPORTED_HEAD_DIMS))}, dtypes {','.join(jit.SUPPORTED_DTYPES)}, stages 1,2, "
+               f"{','.join(map(str, SUPPORTED_HEAD_DIMS))}, dtypes {','.join(SUPPORTED_DTYPES)}, stages 1,2, "
                f"each with and without causal and partial blocks) for this GPU's arch; with no GPU, for "
                f"{' and '.join(NO_GPU_ARCHS)} (A100 and H100 class). The flags narrow it.")
-    p.add_argument("--head-dims", type=_comma_list(int, jit.SUPPORTED_HEAD_DIMS, "head dim"),
-                   default=jit.SUPPORTED_HEAD_DIMS, metavar="64,128", help="head dims (default: all)")
-    p.add_argument("--dtypes", type=_comma_list(str, jit.SUPPORTED_DTYPES, "dtype"), default=jit.SUPPORTED_DTYPES,
+    p.add_argument("--head-dims", type=_comma_list(int, SUPPORTED_HEAD_DIMS, "head dim"),
+                   default=SUPPORTED_HEAD_DIMS, metavar="64,128", help="head dims (default: all)")
+    p.add_argument("--dtypes", type=_comma_list(str, SUPPORTED_DTYPES, "dtype"), default=SUPPORTED_DTYPES,
                    metavar="fp16,bf16", help="input dtypes (default: both)")
-    p.add_argument("--stages", type=_comma_list(int, jit.SUPPORTED_STAGES, "stages"), default=jit.SUPPORTED_STAGES,
+    p.add_argument("--stages", type=_comma_list(int, SUPPORTED_STAGES, "stages"), default=SUPPORTED_STAGES,
                    metavar="1,2", help="pipelines: 1 shared K/V buffer, 2 prefetch (default: both)")
     p.add_argument("--arch", type=_arch_list, default=None, metavar="auto|sm_80,sm_90",
                    help=f"target archs, sm_{MIN_ARCH} or newer (default auto: this GPU's, or "
@@ -603,9 +606,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=_positive_int, default=2, metavar="B", help="batch size (default 2)")
     d.add_argument("--heads", type=_positive_int, default=16, metavar="H", help="heads (default 16)")
     d.add_argument("--seq-len", type=_positive_int, default=8192, metavar="N", help="sequence length (default 8192)")
-    d.add_argument("--head-dim", type=int, choices=jit.SUPPORTED_HEAD_DIMS, default=None, metavar="D",
+    d.add_argument("--head-dim", type=int, choices=SUPPORTED_HEAD_DIMS, default=None, metavar="D",
                    help="head dim (default 128); without a GPU, compile only this head dim")
-    d.add_argument("--dtype", choices=jit.SUPPORTED_DTYPES, default=None,
+    d.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=None,
                    help="input dtype (default fp16); without a GPU, compile only this dtype")
     d.add_argument("--iters", type=_positive_int, default=20, help="timed calls (default 20)")
     d.add_argument("--check-rows", type=_positive_int, default=256, metavar="R",

@@ -16,7 +16,7 @@ import numpy as np
 from . import arrays
 from .checks import check_positive_float
 from .errors import ArgumentError
-from .expressions import CudaExpr, _elementwise
+from .mask.expressions import CudaExpr, _elementwise
 
 
 class ScoreMod:

@@ -7,7 +7,7 @@ import numpy as np
 import omnicupy
 from omnicupy import BlockMask, BlockType, reference
 from omnicupy.arrays import BFLOAT16
-from omnicupy.block_mask import cdiv
+from omnicupy.mask.block_mask import cdiv
 
 NP_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}  # relative Frobenius error vs the float64 reference

@@ -17,8 +17,10 @@ import sys
 
 import numpy as np
 
+from omnicupy.dispatch.arch import has_wgmma
 import omnicupy
-from omnicupy import BlockMask, reference, tiles
+from omnicupy import BlockMask, reference
+from omnicupy.dispatch import tiles
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from helpers import TOLERANCE, random_block_mask, random_qkv  # noqa: E402
@@ -43,12 +45,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
     families = tuple(args.families.split(","))
-    if not omnicupy.jit.has_wgmma(omnicupy.jit.device_arch()):
+    if not has_wgmma(omnicupy.jit.device_arch()):
         families = tuple(f for f in families if f != "wgmma")
     rng = np.random.default_rng(0)
     failures = 0
     for variant in tiles.shipped_variants(head_dims=head_dims, families=families):
-        os.environ["OMNICUPY_MMA"] = variant.mma  # attention() picks this family's tuned tile
+        os.environ["OMNICUPY_MMA"] = variant.family  # attention() picks this family's tuned tile
         bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)
         if (bm.features.causal, bm.features.partial) != (variant.causal, variant.partial):
             bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)  # resample a degenerate draw

@@ -8,9 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omnicupy.dispatch.arch import has_wgmma
 import omnicupy
-from omnicupy import BlockMask, jit, reference, schedule, tiles
-from omnicupy.jit import SUPPORTED_HEAD_DIMS
+from omnicupy import BlockMask, jit, reference
+from omnicupy.dispatch import schedule, tiles
+from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
 
 from helpers import TOLERANCE, random_block_mask, random_qkv, run_and_check
 
@@ -209,13 +211,13 @@ def test_builtin_masks(factory, q_len, kv_len, block, stages):
 ])
 def test_exp2_on_the_fma_pipe(monkeypatch, family, head_dim, tile, mask_kind):
     """poly_exp variants (part of the exps from a polynomial): same accuracy, empty rows still 0."""
-    if family == "wgmma" and not jit.has_wgmma(jit.device_arch()):
+    if family == "wgmma" and not has_wgmma(jit.device_arch()):
         pytest.skip("wgmma needs sm_90")
     monkeypatch.setenv("OMNICUPY_MMA", family)
     rng = np.random.default_rng()
     q, k, v = random_qkv(rng, 2, 2, 700, head_dim, "fp16")
     bm, causal, dense = mask_for(mask_kind, rng, 2, 2, 700, 700)
-    with tiles.use_tiles({(head_dim, 2): tile}, mma=family):
+    with tiles.use_tiles({(head_dim, 2): tile}, family=family):
         chosen = tiles.select_variant(head_dim, "fp16", 2, 128, 128, causal or mask_kind == "mixed",
                                       mask_kind == "mixed", arch=jit.device_arch())
         assert chosen.poly_exp == tile.poly_exp

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from omnicupy import BlockMask, arrays, builders, masks
-from omnicupy.block_mask import BlockType, cdiv, validate_metadata
+from omnicupy import BlockMask, arrays, masks
+from omnicupy.mask import builders
+from omnicupy.mask.block_mask import BlockType, cdiv, validate_metadata
 from omnicupy.errors import MaskError
 from omnicupy.reference import dense_mask_from_mod
 

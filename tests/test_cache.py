@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from omnicupy import jit, tiles
+from omnicupy import jit
+from omnicupy.dispatch import tiles
 from omnicupy.jit import DiskCache, cache_stem
 from omnicupy.jit.render import render_source
 

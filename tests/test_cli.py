@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from omnicupy import arrays, tiles
+from omnicupy import arrays
+from omnicupy.dispatch import tiles
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--head-dims", "64", "--dtypes", "fp16", "--stages", "2"]  # 4 variants per arch
@@ -116,7 +117,7 @@ def test_precompile_default_set_without_gpu(cache):
     assert result.returncode == 0, result.stderr
     pairs = [line.split() for line in result.stdout.splitlines()]
     expected = {(v.name, arch) for v in tiles.shipped_variants() for arch in ("sm_80", "sm_90")
-                if v.mma == "sync" or arch == "sm_90"}
+                if v.family == "sync" or arch == "sm_90"}
     assert {tuple(p) for p in pairs} == expected and len(pairs) == len(expected)
     assert "no GPU" in result.stderr
     assert not cache.exists() or not any(cache.rglob("*.cubin"))

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from omnicupy import jit, tiles
+from omnicupy import jit
+from omnicupy.dispatch import tiles
 from omnicupy.errors import CompileError
 from omnicupy.jit import compiler, render
 from omnicupy.jit.cache import DiskCache
-from omnicupy.jit.variant import WGMMA_HEAD_DIMS, Variant
+from omnicupy.dispatch.variant import WGMMA_HEAD_DIMS, Variant
 
 SHIPPED = tiles.shipped_variants()
 ARCHS = ("sm_80", "sm_90")
-BUILDS = [(v, arch) for v in SHIPPED for arch in ARCHS if v.mma == "sync" or arch == "sm_90"]
+BUILDS = [(v, arch) for v in SHIPPED for arch in ARCHS if v.family == "sync" or arch == "sm_90"]
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,10 @@ def compile_cache(tmp_path_factory):
 def test_shipped_variant_compiles(variant, arch, compile_cache):
     entry, built = jit.build(variant, arch, cache=compile_cache)
     assert built
-    target = "sm_90a" if variant.mma == "wgmma" else arch
+    target = "sm_90a" if variant.family == "wgmma" else arch
     assert entry.size > 1000 and entry.meta["kernel"] == variant.name and entry.meta["arch"] == target
     assert entry.meta["registers"] is not None and entry.meta["registers"] <= 255
-    if variant.mma == "wgmma":  # the wgmma tiles were chosen spill-free (NOTES.md §9)
+    if variant.family == "wgmma":  # the wgmma tiles were chosen spill-free (NOTES.md §9)
         assert entry.meta["spill_bytes"] == 0
     # A second request is a verified cache hit, not a recompile.
     again, built_again = jit.build(variant, arch, cache=compile_cache)
@@ -37,10 +38,10 @@ def test_shipped_variant_compiles(variant, arch, compile_cache):
 
 # Kernels a call can get besides the tuned ones: the fallback tiles (block sizes the tuned tile
 # does not divide) and the variant options that no tuned tile uses yet.
-OTHER_WGMMA = [Variant(hd, "fp16", t.br, t.bc, t.warps, 2, True, True, mma="wgmma")
+OTHER_WGMMA = [Variant(hd, "fp16", t.br, t.bc, t.warps, 2, True, True, family="wgmma")
                for hd in WGMMA_HEAD_DIMS for t in tiles.WGMMA_FALLBACKS]
-POLY_EXP = [Variant(64, "bf16", 64, 128, 4, 2, True, True, mma="wgmma", poly_exp=8),
-            Variant(128, "fp16", 128, 128, 8, 2, False, True, mma="wgmma", poly_exp=4),
+POLY_EXP = [Variant(64, "bf16", 64, 128, 4, 2, True, True, family="wgmma", poly_exp=8),
+            Variant(128, "fp16", 128, 128, 8, 2, False, True, family="wgmma", poly_exp=4),
             Variant(128, "fp16", 128, 64, 4, 2, True, False, poly_exp=8)]
 
 
@@ -86,16 +87,16 @@ def test_bad_arch_is_rejected():
 
 
 def test_wgmma_variants_are_shipped_for_their_head_dims():
-    wgmma = [v for v in SHIPPED if v.mma == "wgmma"]
+    wgmma = [v for v in SHIPPED if v.family == "wgmma"]
     assert {v.head_dim for v in wgmma} == {hd for hd, _ in tiles.WGMMA_TUNED}
     assert all(v.name.split("_st2_")[1].startswith("wgmma") for v in wgmma)
 
 
 def test_wgmma_variant_refuses_other_archs():
-    variant = next(v for v in SHIPPED if v.mma == "wgmma")
+    variant = next(v for v in SHIPPED if v.family == "wgmma")
     with pytest.raises(ValueError, match="sm_90"):
         jit.build(variant, "sm_80")
-    assert not jit.arch_supports(variant, "sm_80") and jit.arch_supports(variant, "sm_90")
+    assert not variant.runs_on("sm_80") and variant.runs_on("sm_90")
 
 
 def test_generated_wgmma_header_is_current():

@@ -6,10 +6,10 @@ import pytest
 
 import omnicupy
 from omnicupy import ArgumentError, CompileError, score_mods
-from omnicupy.expressions import CudaExpr, cuda_mask, fused_mask_expr, merge_names
+from omnicupy.mask.expressions import CudaExpr, cuda_mask, fused_mask_expr, merge_names
 from omnicupy.jit import build
 from omnicupy.jit.cache import DiskCache
-from omnicupy.jit.variant import Variant
+from omnicupy.dispatch.variant import Variant
 
 DOC = CudaExpr.make("doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx", arrays_={"doc": np.zeros(8, np.int64)})
 
@@ -34,7 +34,7 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("features", FEATURES)
 def test_feature_variants_compile(features, stages, arch, cache):
-    variant = omnicupy.tiles.select_variant(64, "bf16", stages, 128, 128, features.pop("causal", False),
+    variant = omnicupy.dispatch.tiles.select_variant(64, "bf16", stages, 128, 128, features.pop("causal", False),
                                             features.pop("partial", False), **features)
     entry, _ = build(variant, arch, cache=cache)
     assert entry.meta["kernel"] == variant.name

@@ -7,7 +7,7 @@ import pytest
 
 import omnicupy
 from omnicupy import BlockMask, score_mods
-from omnicupy.jit import SUPPORTED_HEAD_DIMS
+from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
 
 from helpers import NP_DTYPES, random_block_mask, random_qkv, run_and_check
 from mask_cases import MASK_CASES

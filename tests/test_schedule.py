@@ -1,11 +1,13 @@
-"""Launch order of q tiles (omnicupy.schedule): host-side parts, no GPU needed."""
+"""Launch order of q tiles (omnicupy.dispatch.schedule): host-side parts, no GPU needed."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from omnicupy import BlockMask, builders, masks, schedule
-from omnicupy.block_mask import BlockType
+from omnicupy import BlockMask, masks
+from omnicupy.mask import builders
+from omnicupy.dispatch import schedule
+from omnicupy.mask.block_mask import BlockType
 
 
 def test_work_weights_by_block_type():

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from omnicupy import tiles
+from omnicupy.dispatch import tiles
 from omnicupy.errors import ArgumentError
-from omnicupy.jit.variant import Variant
+from omnicupy.dispatch.variant import Variant
 
 # (head_dim, stages, q_block, kv_block, arch, OMNICUPY_MMA) -> expected family
 SELECTION = [
@@ -29,7 +29,7 @@ SELECTION = [
 def test_family_selection(monkeypatch, hd, stages, qb, kvb, arch, env, family):
     monkeypatch.setenv("OMNICUPY_MMA", env)
     variant = tiles.select_variant(hd, "fp16", stages, qb, kvb, True, False, arch=arch)
-    assert variant.mma == family
+    assert variant.family == family
     assert qb % variant.br == 0 and kvb % variant.bc == 0
 
 
@@ -50,7 +50,7 @@ def test_per_score_work_drops_the_overlapped_pipeline(monkeypatch):
     assert tiles.WGMMA_TUNED[(256, 2)].overlap
     plain = tiles.select_variant(256, "fp16", None, 128, 128, False, False, arch="sm_90")
     biased = tiles.select_variant(256, "fp16", None, 128, 128, False, False, bias="fp32", arch="sm_90")
-    assert plain.overlap and not biased.overlap and biased.mma == "wgmma"
+    assert plain.overlap and not biased.overlap and biased.family == "wgmma"
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -61,7 +61,7 @@ def test_per_score_work_drops_the_overlapped_pipeline(monkeypatch):
 ])
 def test_bad_wgmma_variant(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Variant(dtype="fp16", stages=2, mma="wgmma", **kwargs)
+        Variant(dtype="fp16", stages=2, family="wgmma", **kwargs)
 
 
 def test_overlap_needs_wgmma():
@@ -70,7 +70,7 @@ def test_overlap_needs_wgmma():
 
 
 def test_wgmma_shared_memory_counts_both_buffers_and_alignment_slack():
-    v = Variant(128, "fp16", 128, 128, 8, 2, mma="wgmma")
+    v = Variant(128, "fp16", 128, 128, 8, 2, family="wgmma")
     assert v.smem_bytes == 1024 + (128 + 2 * 2 * 128) * 128 * 2
 
 
@@ -92,9 +92,9 @@ def test_bad_tile_spec(spec):
 
 def test_tile_options_reach_the_variant(monkeypatch):
     monkeypatch.setenv("OMNICUPY_MMA", "auto")
-    with tiles.use_tiles({(128, 2): tiles.Tile(128, 128, 8, poly_exp=8)}, mma="wgmma"):
+    with tiles.use_tiles({(128, 2): tiles.Tile(128, 128, 8, poly_exp=8)}, family="wgmma"):
         v = tiles.select_variant(128, "fp16", None, 128, 128, True, False, arch="sm_90")
-    assert (v.br, v.bc, v.warps, v.poly_exp, v.mma) == (128, 128, 8, 8, "wgmma") and "_pe8" in v.name
+    assert (v.br, v.bc, v.warps, v.poly_exp, v.family) == (128, 128, 8, 8, "wgmma") and "_pe8" in v.name
 
 
 @pytest.mark.parametrize("poly_exp", [-1, 3, 16])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnicupy.jit import build
 from omnicupy.jit.cache import DiskCache
-from omnicupy.jit.variant import Variant
+from omnicupy.dispatch.variant import Variant
 
 
 def main(argv=None):

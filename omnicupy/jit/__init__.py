@@ -16,11 +16,10 @@ from . import env
 from .cache import CACHE_FORMAT, CacheEntry, DiskCache
 from .compiler import CompileResult, arch_number, compile_cubin, normalize_arch, nvrtc_version, supported_archs
 from .render import headers_digest_material, render_source
-from .variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant, has_wgmma
+from .spec import KernelSpec
 
 __all__ = [
-    "Variant", "build", "get_kernel", "device_arch", "default_cache", "cache_stem", "SUPPORTED_HEAD_DIMS",
-    "SUPPORTED_DTYPES", "SUPPORTED_STAGES", "CacheEntry", "DiskCache", "has_wgmma",
+    "KernelSpec", "build", "get_kernel", "device_arch", "default_cache", "cache_stem", "CacheEntry", "DiskCache",
 ]
 
 
@@ -32,7 +31,7 @@ def _compile_options() -> tuple[str, ...]:
     return ("-lineinfo",) if env.lineinfo() else ()
 
 
-def cache_stem(variant: Variant, arch: str, source: Optional[str] = None) -> str:
+def cache_stem(variant: KernelSpec, arch: str, source: Optional[str] = None) -> str:
     """``<variant name>-<arch>-<hash>``; the hash covers everything that changes the binary."""
     source = render_source(variant) if source is None else source
     material = "\n".join(
@@ -55,7 +54,7 @@ def _log(message: str) -> None:
         print(f"[omnicupy] {message}", file=sys.stderr)
 
 
-def build(variant: Variant, arch: str, cache: Optional[DiskCache] = None) -> tuple[CacheEntry, bool]:
+def build(variant: KernelSpec, arch: str, cache: Optional[DiskCache] = None) -> tuple[CacheEntry, bool]:
     """Render and compile ``variant`` for ``arch`` into the cache (no GPU needed).
 
     Returns ``(entry, built)``; ``built`` is False on a cache hit."""
@@ -108,7 +107,7 @@ _loaded: dict = {}
 _loaded_lock = threading.Lock()
 
 
-def get_kernel(variant: Variant):
+def get_kernel(variant: KernelSpec):
     """A ``cupy.RawKernel`` for ``variant`` on the current device, compiled or loaded from the cache."""
     import cupy
 
@@ -127,12 +126,3 @@ def get_kernel(variant: Variant):
                 kernel.max_dynamic_shared_size_bytes = variant.smem_bytes
             _loaded[key] = kernel
     return kernel
-
-
-def arch_supports(variant: Variant, arch: str) -> bool:
-    """Whether ``variant`` runs on the arch: wgmma needs sm_90, and it must fit the arch's shared
-    memory per block (opt-in maximum)."""
-    if variant.mma == "wgmma" and not has_wgmma(arch):
-        return False
-    limits = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-    return variant.smem_bytes <= limits.get(arch_number(arch), 99 * 1024)

@@ -6,7 +6,7 @@ import functools
 import jinja2
 
 from . import env
-from .variant import Variant
+from .spec import KernelSpec
 
 
 @functools.lru_cache(maxsize=1)
@@ -19,7 +19,7 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def render_source(variant: Variant) -> str:
+def render_source(variant: KernelSpec) -> str:
     return _environment().get_template(variant.template).render(**variant.template_params())
 
 

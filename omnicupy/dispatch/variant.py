@@ -1,33 +1,46 @@
-"""The variant key: everything that selects one compiled forward kernel."""
+"""The variant key: everything that selects one compiled kernel.
+
+A Variant names its operation (``forward`` today; backward, decode and combine take their slots in
+OPERATIONS), its family (the matrix instruction it is built on: ``sync`` for mma.sync, sm_80+;
+``wgmma`` for Hopper's warpgroup MMA, sm_90a), its tile and its features. Everything a template
+renders comes from ``template_params()``, including the operation's parameter struct
+(``dispatch/params.py``) and the block-type enum (``mask/types.py``), so each is declared once.
+"""
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from .compiler import normalize_arch
+from ..mask.types import cpp_enum
+from . import params
+from .arch import has_wgmma, smem_limit
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SUPPORTED_DTYPES = ("fp16", "bf16")
 SUPPORTED_STAGES = (1, 2)
-SMEM_PAD_ELEMS = 8  # per smem row; must match kLd in the template
+#: Elements of padding per shared-memory row of the mma.sync family (keeps ldmatrix conflict-free).
+SMEM_PAD_ELEMS = 8
 BIAS_DTYPES = ("fp16", "bf16", "fp32")
 
-#: Kernel families: the matrix instruction each is built on, and its template.
-TEMPLATES = {"sync": "attention_fwd.cu.jinja", "wgmma": "attention_fwd_sm90.cu.jinja"}
+#: (operation, family) -> template under templates/. The operation axis: a new operation adds its
+#: templates here, its parameter struct in params.py and its launch in omnicupy/ops.
+TEMPLATES = {
+    ("forward", "sync"): "attention_fwd.cu.jinja",
+    ("forward", "wgmma"): "attention_fwd_sm90.cu.jinja",
+}
+OPERATIONS = tuple(dict.fromkeys(op for op, _ in TEMPLATES))
+FAMILIES = ("sync", "wgmma")
+#: Kernel-name prefix per operation.
+PREFIXES = {"forward": "omni_fwd"}
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
 
 
-def has_wgmma(arch: str) -> bool:
-    """Whether code for ``arch`` ('sm_90', '90', 'sm_90a', ...) can use wgmma: sm_90 only (as sm_90a)."""
-    return normalize_arch(arch).rstrip("a") == "sm_90"
-
-
 @dataclass(frozen=True, order=True)
 class Variant:
-    """One rendering of templates/attention_fwd.cu.jinja.
+    """One rendering of an operation's template for one family.
 
     ``name`` is the kernel's ``extern "C"`` symbol, the cache entry's stem and the log line, e.g.
     ``omni_fwd_fp16_hd128_br64_bc64_w4_st2_causal``.
@@ -48,11 +61,13 @@ class Variant:
     #: expressions.CudaExpr.key of a score modifier applied to every score.
     score_expr: Optional[tuple] = None
     #: "sync" (mma.sync, sm_80+) or "wgmma" (Hopper warpgroup MMA, sm_90a only).
-    mma: str = "sync"
+    family: str = "sync"
     #: wgmma only: run P V of the previous tile behind S of this one (software pipeline).
     overlap: bool = False
     #: Every poly_exp-th n8 tile of S takes its exp2 on the FMA pipe instead of MUFU (0: never).
     poly_exp: int = 0
+    #: What the kernel computes: one of OPERATIONS.
+    operation: str = "forward"
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
@@ -67,13 +82,14 @@ class Variant:
             raise ValueError(f"br={self.br} must be a multiple of 16 * warps ({self.warps})")
         if self.bc % 32 or self.bc < 32:
             raise ValueError(f"bc={self.bc} must be a positive multiple of 32")
-        if self.mma not in TEMPLATES:
-            raise ValueError(f"mma must be one of {tuple(TEMPLATES)}, got {self.mma!r}")
-        if self.overlap and self.mma != "wgmma":
+        if (self.operation, self.family) not in TEMPLATES:
+            raise ValueError(f"no {self.family!r} kernel for operation {self.operation!r} "
+                             f"(have {sorted(TEMPLATES)})")
+        if self.overlap and self.family != "wgmma":
             raise ValueError("overlap is a wgmma pipeline option")
         if self.poly_exp < 0 or (self.poly_exp and (self.bc // 8) % self.poly_exp):
             raise ValueError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
-        if self.mma == "wgmma":
+        if self.family == "wgmma":
             if self.head_dim not in WGMMA_HEAD_DIMS:
                 raise ValueError(f"the wgmma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
             if self.br % 64 or self.warps != self.br // 16:
@@ -90,11 +106,11 @@ class Variant:
         for label, key in (("mask", self.mask_expr), ("score", self.score_expr)):
             if key is not None:
                 features += f"_{label}{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
-        family = ("_wgmma" + ("o" if self.overlap else "")) if self.mma == "wgmma" else ""
+        family = ("_wgmma" + ("o" if self.overlap else "")) if self.family == "wgmma" else ""
         if self.poly_exp:
             family += f"_pe{self.poly_exp}"
         return (
-            f"omni_fwd_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
+            f"{PREFIXES[self.operation]}_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
             f"{family}{features}"
         )
 
@@ -109,32 +125,39 @@ class Variant:
         mma.sync: padded rows; kStage 1 shares one buffer between K and V, kStage 2 has one of each.
         wgmma: unpadded swizzled rows, ``stages`` buffers of K and V, plus one swizzle atom of slack
         to align the tiles."""
-        if self.mma == "wgmma":
+        if self.family == "wgmma":
             return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2
         row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
         return (self.br + self.stages * self.bc) * row_bytes
 
     @property
     def template(self) -> str:
-        return TEMPLATES[self.mma]
+        return TEMPLATES[(self.operation, self.family)]
 
     def target_arch(self, arch: str) -> str:
         """The arch to compile for on a device of ``arch``: wgmma needs sm_90a, and only sm_90 has it."""
-        if self.mma != "wgmma":
+        if self.family != "wgmma":
             return arch
         if not has_wgmma(arch):
             raise ValueError(f"{self.name} uses wgmma, which only sm_90 (Hopper) has; cannot build for {arch}")
         return "sm_90a"
 
+    def runs_on(self, arch: str) -> bool:
+        """Whether this kernel can run on ``arch``: wgmma needs sm_90, and the shared memory must fit
+        the arch's opt-in limit per block."""
+        return (self.family != "wgmma" or has_wgmma(arch)) and self.smem_bytes <= smem_limit(arch)
+
     def template_params(self) -> dict:
-        params = {f.name: getattr(self, f.name) for f in fields(self)}
-        params["variant_name"] = self.name
-        params["smem_bytes"] = self.smem_bytes
-        params["mask_expr"] = _expr_params(self.mask_expr)
-        params["score_expr"] = _expr_params(self.score_expr)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["variant_name"] = self.name
+        values["smem_bytes"] = self.smem_bytes
+        values["mask_expr"] = _expr_params(self.mask_expr)
+        values["score_expr"] = _expr_params(self.score_expr)
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).
-        params["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
-        return params
+        values["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
+        values["params_struct"] = params.STRUCTS[self.operation].cpp()
+        values["block_type_enum"] = cpp_enum()
+        return values
 
 
 def _expr_params(key: Optional[tuple]) -> Optional[dict]:

@@ -9,13 +9,13 @@ documents, where the heavy tiles are the ends of long documents, the order comes
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
-from . import arrays
-from .block_mask import BlockMask, BlockType, cdiv
-from .jit import env
+from .. import arrays
+from ..jit import env
+from ..mask import BlockMask, BlockType, cdiv
 
 #: Relative cost of one kv block, indexed by BlockType: a CAUSAL block is computed only up to its
 #: diagonal, a MASKED one not at all.
@@ -39,16 +39,14 @@ def heaviest_first(work: np.ndarray, q_len: int, q_block_size: int, br: int) -> 
     return np.lexsort((-tiles, -block_work)).astype(np.int32)  # last key is the primary one
 
 
-def q_tile_order(bm: BlockMask, br: int) -> Optional[Any]:
-    """Device int32 array: q tile to run for each blockIdx.x, or None when that is the kernel's
-    default order (last tile first) or OMNICUPY_SCHEDULE=natural. Cached on the mask per (device, br)."""
+def launch_order(bm: BlockMask, br: int) -> Optional[np.ndarray]:
+    """Host int32 array: q tile to run for each blockIdx.x, or None when that is the kernel's
+    default order (last tile first) or OMNICUPY_SCHEDULE=natural. Cached on the mask per tile height."""
     if env.schedule() == "natural":
         return None
-    cp = arrays.cupy_module()
-    key = (cp.cuda.runtime.getDevice(), br)
     cache = bm._tile_orders
-    if key not in cache:
+    if br not in cache:
         order = heaviest_first(q_block_work(bm), bm.q_len, bm.q_block_size, br)
         natural = np.arange(order.size - 1, -1, -1, dtype=np.int32)
-        cache[key] = None if np.array_equal(order, natural) else cp.asarray(order)
-    return cache[key]
+        cache[br] = None if np.array_equal(order, natural) else order
+    return cache[br]

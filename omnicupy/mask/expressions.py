@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from . import arrays
-from .errors import ArgumentError
+from .. import arrays
+from ..errors import ArgumentError
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: Names the kernel already defines where expressions are evaluated.

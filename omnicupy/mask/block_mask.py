@@ -1,4 +1,4 @@
-"""BlockMask: the block-sparse metadata the kernel walks (DESIGN.md §1, flex-attention layout).
+"""BlockMask: the block-sparse metadata the kernel walks (docs/design.md, "Block mask metadata"; flex-attention layout).
 
 A BlockMask lists, for every (batch, head, q block), which kv blocks to visit and how much masking
 each needs: CAUSAL (element rule ``q_idx >= kv_idx``), FULL (none) or PARTIAL (a bit-packed
@@ -9,54 +9,33 @@ Arrays may live on the host (NumPy) or the device (CuPy); validation runs where 
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import arrays
-from .checks import check_int
-from .errors import MaskError
-
-
-class BlockType(enum.IntEnum):
-    MASKED = 0
-    CAUSAL = 1
-    FULL = 2
-    PARTIAL = 3
-
-
-#: One character per block in ``BlockMask.to_string()``.
-BLOCK_CHARS = {BlockType.MASKED: ".", BlockType.CAUSAL: "\\", BlockType.FULL: "#", BlockType.PARTIAL: "+"}
-
-#: The kernels walk kv blocks in tiles of at least 32 columns (one 32-bit word of partial bits)
-#: and q blocks in tiles of at least 16 rows (one mma row tile).
-KV_BLOCK_MULTIPLE = 32
-Q_BLOCK_MULTIPLE = 16
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class MaskFeatures:
-    """Which per-element work a mask needs; part of the kernel variant key."""
-
-    causal: bool
-    partial: bool
+from .. import arrays
+from ..checks import check_int
+from ..errors import MaskError
+from .types import BLOCK_CHARS, KV_BLOCK_MULTIPLE, Q_BLOCK_MULTIPLE, BlockType, MaskFeatures, cdiv
 
 
 @dataclass(frozen=True)
 class DeviceMetadata:
-    """Contiguous int32/uint32 CuPy arrays in the exact form the kernel reads."""
+    """Contiguous int32/uint32 CuPy arrays in the exact form the kernel reads.
 
-    kv_num_blocks: Any  # [Bm, Hm, nQB]
-    kv_indices: Any  # [Bm, Hm, nQB, maxB]
-    block_mask_types: Any  # [Bm, Hm, nQB, maxB]
-    partial_block_mask_indices: Any  # [Bm, Hm, nQB, maxB] or None
+    The arrays hold each stored (batch, head) row once; a batch or head dim that the mask broadcasts
+    is stored with size 1. Row ``(b, h, q_block)`` of the kernel's view is
+    ``b * row_stride_batch + h * row_stride_head + q_block`` (strides in q-block rows, 0 where the
+    mask broadcasts): this is the one place that says how broadcasting is stored."""
+
+    kv_num_blocks: Any  # [Bm', Hm', nQB]
+    kv_indices: Any  # [Bm', Hm', nQB, maxB]
+    block_mask_types: Any  # [Bm', Hm', nQB, maxB]
+    partial_block_mask_indices: Any  # [Bm', Hm', nQB, maxB] or None
     partial_block_masks: Any  # [P, QBS, KBS/32] uint32 or None
+    row_stride_batch: int
+    row_stride_head: int
 
 
 def _check_positive_int(value: Any, name: str, multiple: int = 1) -> int:
@@ -89,7 +68,7 @@ def _as_index_array(x: Any, name: str, ndim: int, *, unsigned: bool = False):
 class BlockMask:
     """Block-sparse attention mask in flex-attention's layout plus a per-block type.
 
-    Parameters mirror DESIGN.md §1. ``Bm`` and ``Hm`` (the first two dims) may be 1 to broadcast
+    Parameters mirror docs/design.md, "Block mask metadata". ``Bm`` and ``Hm`` (the first two dims) may be 1 to broadcast
     over batch and heads. ``mask_mod``, when known, is remembered so the reference and fused
     kernels can use the element rule directly.
     """
@@ -216,12 +195,16 @@ class BlockMask:
                     return None
                 return cp.ascontiguousarray(cp.asarray(a[keep] if per_batch_head else a, dtype=dtype))
 
+            nb = dev_array(self.kv_num_blocks)
+            stored_b, stored_h, nqb = (int(n) for n in nb.shape)
             cached = DeviceMetadata(
-                dev_array(self.kv_num_blocks),
+                nb,
                 dev_array(self.kv_indices),
                 dev_array(self.block_mask_types),
                 dev_array(self.partial_block_mask_indices) if self.features.partial else None,
                 dev_array(self.partial_block_masks, np.uint32, per_batch_head=False) if self.features.partial else None,
+                row_stride_batch=stored_h * nqb if stored_b > 1 else 0,
+                row_stride_head=nqb if stored_h > 1 else 0,
             )
             self._device_cache[dev] = cached
         return cached
@@ -295,43 +278,6 @@ class BlockMask:
 
     # ------------------------------------------------------------- builders
     @classmethod
-    def full(cls, q_len: int, kv_len: int, *, q_block_size: int = 128, kv_block_size: int = 128) -> "BlockMask":
-        """Every query attends to every key."""
-        return cls._from_block_rule(q_len, kv_len, q_block_size, kv_block_size, causal=False)
-
-    @classmethod
-    def causal(cls, q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size: int = 128,
-               kv_block_size: int = 128) -> "BlockMask":
-        """``q_idx >= kv_idx`` (top-left aligned, flex-attention's convention), or with
-        ``bottom_right`` ``q_idx + kv_len - q_len >= kv_idx`` (the last query sees the last key,
-        FlashAttention-2's convention for prefill against a KV cache)."""
-        offset = kv_len - q_len if bottom_right else 0
-        if offset == 0:
-            return cls._from_block_rule(q_len, kv_len, q_block_size, kv_block_size, causal=True)
-        # The shifted diagonal is not the CAUSAL block pattern: its blocks become PARTIAL, built by
-        # the structured path (and evaluable in the kernel from the mask's expression).
-        from . import builders, masks
-
-        return builders.from_mask_mod(masks.causal(offset), None, None, q_len, kv_len, q_block_size=q_block_size,
-                                      kv_block_size=kv_block_size)
-
-    @classmethod
-    def _from_block_rule(cls, q_len, kv_len, q_block_size, kv_block_size, *, causal: bool) -> "BlockMask":
-        q_block_size = _check_positive_int(q_block_size, "q_block_size", Q_BLOCK_MULTIPLE)
-        kv_block_size = _check_positive_int(kv_block_size, "kv_block_size", KV_BLOCK_MULTIPLE)
-        nqb, nkvb = cdiv(_check_positive_int(q_len, "q_len"), q_block_size), cdiv(_check_positive_int(kv_len, "kv_len"), kv_block_size)
-        q_lo = np.arange(nqb)[:, None] * q_block_size
-        q_hi = np.minimum(q_lo + q_block_size, q_len) - 1
-        kv_lo = np.arange(nkvb)[None, :] * kv_block_size
-        kv_hi = np.minimum(kv_lo + kv_block_size, kv_len) - 1
-        if causal:
-            types = np.where(q_lo >= kv_hi, BlockType.FULL, np.where(q_hi >= kv_lo, BlockType.CAUSAL, BlockType.MASKED))
-        else:
-            types = np.full((nqb, nkvb), BlockType.FULL)
-        return cls.from_block_types(types[None, None], q_len=q_len, kv_len=kv_len,
-                                    q_block_size=q_block_size, kv_block_size=kv_block_size)
-
-    @classmethod
     def from_block_types(cls, grid: Any, *, q_len: int, kv_len: int, q_block_size: int = 128,
                          kv_block_size: int = 128, partial_grid: Any = None, partial_block_masks: Any = None,
                          mask_mod: Optional[Callable] = None) -> "BlockMask":
@@ -359,30 +305,6 @@ class BlockMask:
         return cls(nb, indices, types, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
                    kv_block_size=kv_block_size, partial_block_mask_indices=pidx,
                    partial_block_masks=partial_block_masks, mask_mod=mask_mod)
-
-    # Builders from issue "Block masks" live in omnicupy.builders; these delegate so that the
-    # class is the one entry point users see.
-    @classmethod
-    def from_mask_mod(cls, mask_mod, B, H, q_len, kv_len, *, q_block_size=128, kv_block_size=128):
-        from . import builders
-
-        return builders.from_mask_mod(mask_mod, B, H, q_len, kv_len, q_block_size=q_block_size,
-                                      kv_block_size=kv_block_size)
-
-    @classmethod
-    def from_dense(cls, mask, *, q_block_size=128, kv_block_size=128):
-        from . import builders
-
-        return builders.from_dense(mask, q_block_size=q_block_size, kv_block_size=kv_block_size)
-
-    @classmethod
-    def from_flex(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None, *, q_len,
-                  kv_len, q_block_size=128, kv_block_size=128, mask_mod=None):
-        from . import builders
-
-        return builders.from_flex(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_len=q_len,
-                                  kv_len=kv_len, q_block_size=q_block_size, kv_block_size=kv_block_size,
-                                  mask_mod=mask_mod)
 
 
 def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> MaskFeatures:

@@ -1,4 +1,4 @@
-"""Tile configurations per head dim: the one table to tune (issue: performance).
+"""Tile configurations per head dim: the one table to tune.
 
 ``select_variant`` turns a call's needs (head dim, dtype, stages, block sizes, mask features) into
 a Variant: the tuned tile if it divides the mask's block sizes, else the best fallback that does.
@@ -10,9 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
-from .errors import ArgumentError
-from .jit import env
-from .jit.variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant, has_wgmma
+from ..errors import ArgumentError
+from ..jit import env
+from .arch import has_wgmma
+from .variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ FALLBACKS = (Tile(64, 64, 4), Tile(64, 32, 4), Tile(32, 32, 2), Tile(16, 32, 1))
 
 
 @contextlib.contextmanager
-def use_tiles(overrides: Mapping[tuple[int, int], Tile], mma: str = "sync") -> Iterator[None]:
+def use_tiles(overrides: Mapping[tuple[int, int], Tile], family: str = "sync") -> Iterator[None]:
     """Temporarily replace entries of TUNED (or WGMMA_TUNED), for tuning scripts that time candidates."""
-    table = WGMMA_TUNED if mma == "wgmma" else TUNED
+    table = WGMMA_TUNED if family == "wgmma" else TUNED
     saved = dict(table)
     table.update(overrides)
     try:
@@ -134,7 +135,7 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
             wg = dataclasses.replace(wg, overlap=False)
         if wg is not None:
             return Variant(head_dim, dtype, wg.br, wg.bc, wg.warps, stages, causal, partial, bias, mask_expr, score_expr,
-                           mma="wgmma", **wg.options())
+                           family="wgmma", **wg.options())
     if family == "wgmma":
         raise ArgumentError(
             f"OMNICUPY_MMA=wgmma, but no wgmma kernel fits (device arch {arch}, head_dim {head_dim}, "
@@ -161,6 +162,6 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                         continue
                     for causal in (False, True):
                         for partial in (False, True):
-                            out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, mma=family,
+                            out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, family=family,
                                                **tile.options()))
     return out

@@ -1,4 +1,4 @@
-"""Builders of BlockMask metadata (DESIGN.md §1): from a mask_mod, a dense mask, flex-attention's arrays.
+"""Builders of BlockMask metadata (docs/design.md): from a mask_mod, a dense mask, flex-attention's arrays.
 
 All three end the same way, from block rows given as runs: for each (b, h, q block), from kv block
 ``first`` on, runs of blocks of one type, some EVALUATE. For a mask_mod with known structure a row is
@@ -26,11 +26,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import arrays, masks
-from .block_mask import (BlockMask, BlockType, MaskFeatures, Q_BLOCK_MULTIPLE, KV_BLOCK_MULTIPLE, _as_index_array,
-                         _check_positive_int, cdiv)
-from .errors import MaskError
-from .masks import CAUSAL, EVALUATE, FULL, MASKED
+from .. import arrays
+from ..errors import MaskError
+from . import zoo
+from .block_mask import BlockMask, _as_index_array, _check_positive_int
+from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, LookupTable, MaskMod
+from .types import KV_BLOCK_MULTIPLE, Q_BLOCK_MULTIPLE, BlockType, MaskFeatures, cdiv
 
 PARTIAL = int(BlockType.PARTIAL)
 
@@ -81,6 +82,39 @@ def _check_sizes(q_len, kv_len, q_block_size, kv_block_size) -> tuple[int, int, 
             _check_positive_int(kv_block_size, "kv_block_size", KV_BLOCK_MULTIPLE))
 
 
+def full(q_len: int, kv_len: int, *, q_block_size: int = 128, kv_block_size: int = 128) -> BlockMask:
+    """Every query attends to every key."""
+    return _from_block_rule(*_check_sizes(q_len, kv_len, q_block_size, kv_block_size), causal=False)
+
+
+def causal(q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size: int = 128,
+           kv_block_size: int = 128) -> BlockMask:
+    """``q_idx >= kv_idx`` (top-left aligned, flex-attention's convention), or with
+    ``bottom_right`` ``q_idx + kv_len - q_len >= kv_idx`` (the last query sees the last key,
+    FlashAttention-2's convention for prefill against a KV cache)."""
+    q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    offset = kv_len - q_len if bottom_right else 0
+    if offset == 0:
+        return _from_block_rule(q_len, kv_len, qbs, kbs, causal=True)
+    # The shifted diagonal is not the CAUSAL block pattern: its blocks become PARTIAL, built by
+    # the structured path (and evaluable in the kernel from the mask's expression).
+    return from_mask_mod(zoo.causal(offset), None, None, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs)
+
+
+def _from_block_rule(q_len: int, kv_len: int, q_block_size: int, kv_block_size: int, *, causal: bool) -> BlockMask:
+    nqb, nkvb = cdiv(q_len, q_block_size), cdiv(kv_len, kv_block_size)
+    q_lo = np.arange(nqb)[:, None] * q_block_size
+    q_hi = np.minimum(q_lo + q_block_size, q_len) - 1
+    kv_lo = np.arange(nkvb)[None, :] * kv_block_size
+    kv_hi = np.minimum(kv_lo + kv_block_size, kv_len) - 1
+    if causal:
+        types = np.where(q_lo >= kv_hi, BlockType.FULL, np.where(q_hi >= kv_lo, BlockType.CAUSAL, BlockType.MASKED))
+    else:
+        types = np.full((nqb, nkvb), BlockType.FULL)
+    return BlockMask.from_block_types(types[None, None], q_len=q_len, kv_len=kv_len,
+                                      q_block_size=q_block_size, kv_block_size=kv_block_size)
+
+
 def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len: int, kv_len: int, *,
                   q_block_size: int = 128, kv_block_size: int = 128, xp: Any = None,
                   use_structure: bool = True) -> BlockMask:
@@ -94,7 +128,7 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     Hm = 1 if H is None else _check_positive_int(H, "H")
     q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
     runs = None
-    if isinstance(mask_mod, masks.MaskMod):
+    if isinstance(mask_mod, MaskMod):
         mask_mod.check_extent(B, q_len, kv_len)
         if use_structure:
             runs = mask_mod.block_runs(Bm, Hm, q_len, kv_len, qbs, kbs)
@@ -108,7 +142,7 @@ def from_dense(mask: Any, *, q_block_size: int = 128, kv_block_size: int = 128) 
     """Block metadata for a boolean mask ``[B|1, H|1, Nq, Nkv]`` (NumPy, CuPy or DLPack); the work
     runs where the mask lives."""
     mask = _as_array(mask, "mask")
-    mod = masks.dense(mask)  # validates the mask
+    mod = zoo.dense(mask)  # validates the mask
     bm, hm, q_len, kv_len = (int(n) for n in mask.shape)
     return from_mask_mod(mod, bm, hm, q_len, kv_len, q_block_size=q_block_size, kv_block_size=kv_block_size,
                          xp=arrays.array_namespace(mask))
@@ -143,7 +177,7 @@ def from_flex(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any = Non
     if listed[0].size and mask_mod is None:
         raise MaskError(f"kv_num_blocks lists {int(listed[0].size)} partial blocks, whose element masks need "
                         "mask_mod= (the NumPy/CuPy form of flex's mask_mod)")
-    if isinstance(mask_mod, masks.MaskMod):
+    if isinstance(mask_mod, MaskMod):
         mask_mod.check_extent(shape[0], q_len, kv_len)
     types = np.zeros(shape, dtype=np.int8)
     types.reshape(-1)[listed[0]] = EVALUATE
@@ -320,17 +354,17 @@ def _prefix_rows(n_words: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _prefix_table(n_words: int) -> masks._Table:
+def _prefix_table(n_words: int) -> LookupTable:
     """``_prefix_rows`` copied once to each device that asks."""
-    return masks._Table(_prefix_rows(n_words))
+    return LookupTable(_prefix_rows(n_words))
 
 
 @functools.lru_cache(maxsize=8)
-def _hash_multipliers(n_words: int) -> masks._Table:
+def _hash_multipliers(n_words: int) -> LookupTable:
     """Odd 64-bit multipliers, one per word of a packed block. Fixed, so the pool's order is the
     same on every path."""
     rng = np.random.default_rng(0x6F6D6E69)
-    return masks._Table(rng.integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1))
+    return LookupTable(rng.integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1))
 
 
 def _block_hashes(packed, xp):
@@ -422,5 +456,5 @@ def _layout(grid, row, kv, length, kind, pidx, xp):
                  for i, a in enumerate(out))
 
 
-__all__ = ["from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS",
+__all__ = ["full", "causal", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS",
            "DEVICE_CHUNK_ELEMENTS"]

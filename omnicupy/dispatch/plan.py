@@ -1,0 +1,84 @@
+"""Plan: which kernel a call runs and how it is launched, decided once and inspectable.
+
+``plan_forward`` turns a call's needs (shapes, dtype, mask features, per-score extras, the device
+arch) into a ``Plan``: the Variant, the grid, block and shared memory, the q-tile launch order, and
+a sentence saying why this family and tile were chosen. ``attention()`` runs the plan it gets;
+``omnicupy.plan()``, the CLI's ``demo`` and the tuning tools print the same object instead of
+re-deriving it. Knows variants, tiles and the schedule; nothing of arrays or NVRTC.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..jit import env
+from ..mask import BlockMask, cdiv
+from . import schedule, tiles
+from .arch import has_wgmma
+from .variant import Variant
+
+MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A launch, ready to run: the kernel, its geometry and the order of its q tiles."""
+
+    variant: Variant
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+    #: Host int32 [grid x]: q tile per blockIdx.x, or None for the kernel's own order (last first).
+    q_tile_order: Optional[np.ndarray]
+    arch: Optional[str]
+    reason: str
+
+    @property
+    def operation(self) -> str:
+        return self.variant.operation
+
+    @property
+    def kernel(self) -> str:
+        return self.variant.name
+
+    def describe(self) -> str:
+        order = "heaviest q tiles first (from the mask)" if self.q_tile_order is not None else "last q tile first"
+        return (f"{self.operation}: {self.kernel}\n"
+                f"  family {self.variant.family}, tile {self.variant.br}x{self.variant.bc}, "
+                f"{self.variant.warps} warps, stages {self.variant.stages}, arch {self.arch or 'unknown'}\n"
+                f"  grid {self.grid}, block {self.block}, {self.smem_bytes} bytes of shared memory, {order}\n"
+                f"  why: {self.reason}")
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
+    family = env.mma_family()
+    if variant.family == "wgmma":
+        return (f"wgmma: the device is sm_90 and the tuned Hopper tile {variant.br}x{variant.bc} divides the mask's "
+                f"blocks" + (" (no P V overlap: per-score extras need its registers)" if extras else ""))
+    if family == "sync":
+        return "mma.sync: OMNICUPY_MMA=sync"
+    if arch is None or not has_wgmma(arch):
+        return f"mma.sync: wgmma needs sm_90 (device arch {arch or 'unknown'})"
+    return (f"mma.sync: no wgmma tile for head_dim {variant.head_dim}, stages {variant.stages} and these "
+            f"block sizes (wgmma: head_dim 64/128/256, stages 2, q blocks a multiple of 64)")
+
+
+def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mask: BlockMask,
+                 stages: Optional[int], bias: Optional[str], mask_expr: Optional[tuple], score_expr: Optional[tuple],
+                 arch: Optional[str]) -> Plan:
+    bm = block_mask
+    variant = tiles.select_variant(head_dim, dtype, stages, bm.q_block_size, bm.kv_block_size, bm.features.causal,
+                                   bm.features.partial, bias=bias, mask_expr=mask_expr, score_expr=score_expr,
+                                   arch=arch)
+    order = schedule.launch_order(bm, variant.br)
+    return Plan(variant=variant, grid=(cdiv(bm.q_len, variant.br), heads, batch), block=(variant.threads, 1, 1),
+                smem_bytes=variant.smem_bytes, q_tile_order=order, arch=arch,
+                reason=_why(variant, arch, bias is not None or score_expr is not None))
+
+
+__all__ = ["Plan", "plan_forward", "MAX_GRID_YZ"]

@@ -1,0 +1,176 @@
+"""MaskMod: a mask function ``f(b, h, q_idx, kv_idx) -> bool`` with a name and, optionally, its
+block structure (the interval of allowed keys of every query row).
+
+A mask_mod is evaluated on broadcast integer arrays (NumPy, or CuPy on the GPU). From its row
+intervals, ``MaskMod.block_runs`` finds with NumPy in O(N), without evaluating any element, the
+window of kv blocks each q block can reach and which of them are FULL or CAUSAL; only the blocks
+cut by an interval end are evaluated element by element (builders.py). This module knows masks
+as functions and intervals; it knows nothing of BlockMask metadata or kernels.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .. import arrays
+from ..checks import check_int
+from ..errors import MaskError
+from .types import BlockType, cdiv
+
+#: In types from ``block_rows``, PARTIAL means "cut by an interval end: evaluate the
+#: elements". Evaluation then turns each such block into its true type (which may be any).
+EVALUATE = int(BlockType.PARTIAL)
+MASKED, CAUSAL, FULL = int(BlockType.MASKED), int(BlockType.CAUSAL), int(BlockType.FULL)
+
+BoundsFn = Callable[[Any, Any, Any], tuple]
+
+
+class MaskMod:
+    """A mask_mod ``fn(b, h, q_idx, kv_idx) -> bool`` with a name and, optionally, its structure.
+
+    ``bounds(b, h, q_idx) -> (start, end)``: every allowed kv of row ``q_idx`` lies in
+    ``[start, end)``; when ``bounds_exact``, every kv in that range is allowed too (with
+    ``bounds_exact=False`` the interval only rules blocks out). The bounds must broadcast over every
+    (b, h) the mask depends on; they are called with NumPy arrays (O(N) work, on the host). ``length`` is the number of positions the mask is defined for (its
+    lookup tables' length; None: any), ``batch`` the number of batch rows it has data for (None: it
+    does not depend on b). ``cuda_expr`` is the rule as a CUDA C expression, for later fusion into
+    the kernel; nothing reads it yet.
+    """
+
+    def __init__(self, fn: Callable, name: Optional[str] = None, *, bounds: Optional[BoundsFn] = None,
+                 bounds_exact: bool = True, length: Optional[int] = None, batch: Optional[int] = None,
+                 cuda_expr: Optional[str] = None) -> None:
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "mask_mod")
+        self.__name__ = self.name  # flex-attention and attention-gym read __name__
+        self.__doc__ = fn.__doc__
+        self.bounds = bounds
+        self.bounds_exact = bounds_exact
+        self.length = length
+        self.batch = batch
+        self.cuda_expr = cuda_expr
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"MaskMod({self.name})"
+
+    def check_extent(self, B: Optional[int], q_len: int, kv_len: int) -> None:
+        """Raise MaskError when (B, q_len, kv_len) reach past the data this mask is defined for."""
+        if self.length is not None and max(q_len, kv_len) > self.length:
+            raise MaskError(f"mask_mod {self.name} is defined for {self.length} positions, "
+                            f"but q_len={q_len} and kv_len={kv_len}")
+        if self.batch is not None and (B or 1) != self.batch:
+            raise MaskError(f"mask_mod {self.name} has per-batch data for {self.batch} rows; "
+                            f"pass B={self.batch} (got B={B})")
+
+    def block_rows(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int,
+                   kv_block_size: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """The block types from the row bounds, row by row, or None when the structure is unknown:
+        ``(first, types)``, ``first`` ``[Bs, Hs, nQB]`` and ``types`` ``[Bs, Hs, nQB, C]`` (int8,
+        Bs in {1, B}, Hs in {1, H}), where ``types[..., s]`` is the type of kv block ``first + s``
+        and every block outside a row's window is MASKED. MASKED, FULL and CAUSAL are exact;
+        EVALUATE (PARTIAL) blocks need their elements evaluated. Only real positions (< q_len,
+        < kv_len) count, like the element-level classification. NumPy, O(N + the output)."""
+        found = self.block_runs(B, H, q_len, kv_len, q_block_size, kv_block_size)
+        if found is None:
+            return None
+        first, lengths, kinds = found
+        types = np.repeat(kinds.reshape(-1), lengths.reshape(-1)).reshape(first.shape + (-1,))
+        return first, types
+
+    def block_runs(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int,
+                   kv_block_size: int) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``block_rows`` before its rows are written out, O(N) (the builders' input): ``(first,
+        lengths, kinds)``, ``lengths`` and ``kinds`` ``[Bs, Hs, nQB, 4]``: from kv block ``first`` on,
+        each row is ``lengths[..., i]`` blocks of type ``kinds[..., i]``: EVALUATE, FULL, CAUSAL or
+        EVALUATE, then MASKED up to the common width C (every row's lengths sum to C)."""
+        if self.bounds is None:
+            return None
+        qbs, kbs = q_block_size, kv_block_size
+        nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+        # Padding rows repeat the last real row, so per-block min / max / all see only real rows.
+        q = np.arange(nqb * qbs).reshape(1, 1, -1)
+        q[..., q_len:] = q_len - 1
+        start, end = self.bounds(np.arange(B).reshape(-1, 1, 1), np.arange(H).reshape(1, -1, 1), q)
+        start, end, q = np.broadcast_arrays(np.asarray(start), np.asarray(end), q)
+        rows = start.shape[:2] + (nqb, qbs)
+        start, end, q = (a.reshape(rows) for a in (start, end, q))
+        lo_start, hi_start, lo_end, hi_end = start.min(-1), start.max(-1), end.min(-1), end.max(-1)
+        # The window: the blocks with a column in [lo_start, hi_end), the hull of the rows'
+        # intervals; the others are MASKED. Block k's columns are [k * kbs, min((k + 1) * kbs, kv_len)).
+        first = np.where(lo_start < kv_len, np.maximum(lo_start // kbs, 0), nkvb)
+        width = np.clip(-(-hi_end // kbs), first, nkvb) - first
+        if self.bounds_exact:
+            # In the window (offsets from `first`): blocks from `after` on begin at or after every
+            # row's start, blocks before `before` end before every row's end, so those in between are
+            # FULL. When every row ends at its diagonal (end = q + 1), the blocks from `before` on
+            # allow exactly q_idx >= kv_idx: CAUSAL. The rest are cut by a start or an end: EVALUATE.
+            after = np.clip(-(-hi_start // kbs) - first, 0, width)
+            before = np.clip(np.where(lo_end >= kv_len, nkvb, lo_end // kbs) - first, after, width)
+            tail = np.where((end == q + 1).all(-1), CAUSAL, EVALUATE)
+        else:
+            after = before = width
+            tail = np.full(width.shape, EVALUATE)
+        # Each row is four runs: EVALUATE, FULL, CAUSAL or EVALUATE, MASKED (to a common width).
+        cols = max(int(width.max()), 1)
+        runs = np.stack([after, before - after, width - before, cols - width], axis=-1)
+        kinds = np.stack(np.broadcast_arrays(EVALUATE, FULL, tail, MASKED), axis=-1).astype(np.int8)
+        return first, runs, kinds
+
+    def classify_blocks(self, B: int, H: int, q_len: int, kv_len: int, q_block_size: int, kv_block_size: int,
+                        xp: Any = np) -> Optional[Any]:
+        """``block_rows`` as a dense grid ``[Bs, Hs, nQB, nKVB]`` (int8, in ``xp``), for inspection."""
+        found = self.block_rows(B, H, q_len, kv_len, q_block_size, kv_block_size)
+        if found is None:
+            return None
+        first, types = found
+        grid = np.zeros(first.shape + (cdiv(kv_len, kv_block_size),), dtype=np.int8)
+        b, h, q, s = np.nonzero(types)
+        grid[b, h, q, first[b, h, q] + s] = types[b, h, q, s]
+        return xp.asarray(grid)
+
+
+class LookupTable:
+    """A lookup table (doc ids, row bounds, a dense mask) that follows the index arrays: the same
+    array when they live in the same module, else a copy made once per module and device, so one
+    mask_mod serves NumPy and CuPy index arrays."""
+
+    def __init__(self, values: Any) -> None:
+        self._copies = {self._where(values): values}
+
+    @staticmethod
+    def _where(x: Any):
+        return x.device.id if arrays.is_cupy(x) else "host"
+
+    def on(self, like: Any):
+        """The table in the module (and on the device) of the index array ``like``."""
+        key = self._where(like)
+        table = self._copies.get(key)
+        if table is None:
+            host = arrays.to_numpy(next(iter(self._copies.values())))
+            if key == "host":
+                table = host
+            else:
+                with like.device:
+                    table = arrays.cupy_module().asarray(host)
+            self._copies[key] = table
+        return table
+
+    def lookup(self, b, idx):
+        """``table[idx]`` for a 1-D table, ``table[b, idx]`` for a per-batch 2-D one."""
+        table = self.on(idx)
+        return table[idx] if table.ndim == 1 else table[b, idx]
+
+
+def check_mask_int(value: Any, name: str, minimum: int) -> int:
+    return check_int(value, name, minimum=minimum, error=MaskError)
+
+
+def array_module_of(x):
+    return arrays.array_namespace(x)
+
+
+__all__ = ["MaskMod", "EVALUATE", "MASKED", "CAUSAL", "FULL", "BoundsFn"]

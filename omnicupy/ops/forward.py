@@ -1,0 +1,266 @@
+"""The forward operation: ``attention()`` and the low-level ``omni_attn_mma_blockmask()``.
+
+Checks the call (ops/inputs.py), asks dispatch for a Plan, fills the forward kernel's parameter
+struct (dispatch/params.py, FORWARD) by field name and launches on the current CuPy stream. Every
+check runs before any launch and raises an ArgumentError (or MaskError) naming the argument.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import arrays, jit
+from ..dispatch.arch import current_arch
+from ..dispatch.params import FORWARD
+from ..dispatch.plan import Plan, plan_forward
+from ..errors import ArgumentError, CompileError
+from ..mask import BlockMask, expressions
+from .inputs import (Bias, Inputs, aligned, as_array, check_bias, check_device, check_mask_matches, check_out,
+                     check_qkv, check_scale, check_score_mod, check_stages, device_out, on_device, require_gpu,
+                     to_device)
+
+CAUSAL_MODES = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin_mask(mode: Optional[str], q_len: int, kv_len: int) -> BlockMask:
+    if mode is None:
+        return BlockMask.full(q_len, kv_len)
+    return BlockMask.causal(q_len, kv_len, bottom_right=mode == "bottom_right")
+
+
+def resolve_mask(block_mask: Optional[BlockMask], causal: Any, inp: Inputs) -> BlockMask:
+    try:
+        mode = CAUSAL_MODES[causal]
+    except (KeyError, TypeError):
+        raise ArgumentError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}") from None
+    if block_mask is None:
+        return _builtin_mask(mode, inp.q_len, inp.kv_len)
+    if mode is not None:
+        raise ArgumentError("pass either block_mask or causal, not both (build a causal BlockMask instead)")
+    if not isinstance(block_mask, BlockMask):
+        raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(block_mask).__name__}")
+    check_mask_matches(block_mask, inp)
+    return block_mask
+
+
+@dataclass(frozen=True)
+class Extras:
+    """Per-score work beyond the block mask: bias, a score modifier, a fused mask expression."""
+
+    bias: Optional[Bias] = None
+    score_expr: Optional[expressions.CudaExpr] = None
+    mask_expr: Optional[expressions.CudaExpr] = None
+
+    @property
+    def transforms_scores(self) -> bool:
+        """With a bias or score modifier the kernel scales scores itself (softmax in natural units)."""
+        return self.bias is not None or self.score_expr is not None
+
+
+def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str]) -> Plan:
+    return plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
+                        stages=stages, bias=extras.bias.dtype if extras.bias else None,
+                        mask_expr=extras.mask_expr.key if extras.mask_expr else None,
+                        score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch)
+
+
+def _element_strides(x: Any, prefix: str) -> dict[str, int]:
+    item = x.itemsize
+    return {f"{prefix}_s{axis}": s // item for axis, s in zip("bhn", x.strides[:3])}
+
+
+def _bias_fields(bias: Optional[Bias]) -> dict[str, Any]:
+    if bias is None:
+        return {"bias": None, "bias_sb": 0, "bias_sh": 0, "bias_sq": 0, "bias_sk": 0}
+    b = arrays.to_cupy(bias.array, "bias")
+    check_device(b, "bias")
+    st = [s // b.itemsize if n > 1 else 0 for s, n in zip(b.strides, b.shape)]
+    if b.ndim == 3:  # vector bias: the same row for every query
+        st = st[:2] + [0] + st[2:]
+    return {"bias": b, "bias_sb": st[0], "bias_sh": st[1], "bias_sq": st[2], "bias_sk": st[3]}
+
+
+def _device_order(bm: BlockMask, plan: Plan):
+    """The plan's q tile order on the current device (uploaded once per device and tile height)."""
+    if plan.q_tile_order is None:
+        return None
+    cp = arrays.cupy_module()
+    key = ("device", cp.cuda.runtime.getDevice(), plan.variant.br)
+    if key not in bm._tile_orders:
+        bm._tile_orders[key] = cp.asarray(plan.q_tile_order)
+    return bm._tile_orders[key]
+
+
+def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras: Extras = Extras()) -> None:
+    try:
+        kernel = jit.get_kernel(plan.variant)
+    except CompileError as exc:
+        exprs = [e.text for e in (extras.mask_expr, extras.score_expr) if e is not None]
+        if not exprs:
+            raise
+        raise CompileError(f"the CUDA expression(s) {exprs} did not compile:\n{exc}") from None
+    meta = bm.device_metadata()
+    user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
+    fields = {
+        "q": inp.q, "k": inp.k, "v": inp.v, "o": o, "lse": lse,
+        **_element_strides(inp.q, "q"), **_element_strides(inp.k, "k"), **_element_strides(inp.v, "v"),
+        **_element_strides(o, "o"),
+        "num_heads": inp.heads, "q_len": inp.q_len, "kv_len": inp.kv_len, "kv_group": inp.heads // inp.kv_heads,
+        "scale": scale,
+        # The softmax works on raw scores with the scale folded into exp2, unless the kernel
+        # already scaled them (per-score extras): then in natural units.
+        "scale_log2": math.log2(math.e) * (1.0 if extras.transforms_scores else scale),
+        "kv_num_blocks": meta.kv_num_blocks, "kv_indices": meta.kv_indices, "block_types": meta.block_mask_types,
+        "partial_index": meta.partial_block_mask_indices, "partial_masks": meta.partial_block_masks,
+        "mask_row_sb": meta.row_stride_batch, "mask_row_sh": meta.row_stride_head,
+        "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size, "kv_block_size": bm.kv_block_size,
+        "q_tile_order": _device_order(bm, plan),
+        **_bias_fields(extras.bias),
+        "user_arrays": user_arrays,
+    }
+    kernel(plan.grid, plan.block, (FORWARD.pack(fields),), shared_mem=plan.smem_bytes)
+
+
+def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask) -> tuple[Inputs, BlockMask, Extras]:
+    """The checks attention() and plan() share: inputs, mask, pipeline, per-score extras."""
+    inp = check_qkv(q, k, v)
+    bm = resolve_mask(block_mask, causal, inp)
+    check_stages(stages)
+    extras = Extras(
+        bias=check_bias(bias, inp),
+        score_expr=check_score_mod(score_mod),
+        mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial else None,
+    )
+    expressions.merge_names(extras.mask_expr, extras.score_expr)
+    return inp, bm, extras
+
+
+def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False,
+         stages: Optional[int] = None, bias: Any = None, score_mod: Any = None, fuse_mask: bool = False,
+         arch: Optional[str] = None) -> Plan:
+    """Which kernel ``attention()`` with these arguments would run, how, and why.
+
+    Takes the arguments of ``attention()`` that decide the kernel (q/k/v may be NumPy arrays; only
+    their shapes and dtypes are read) and returns the Plan: variant, grid, block, shared memory,
+    q-tile launch order and the reason for the family and tile. ``arch`` ('sm_80', 'sm_90', ...)
+    plans for that GPU; by default, for the current device (a GPU is needed then).
+
+        print(omnicupy.plan(q, k, v, bm))
+    """
+    inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
+    if arch is None:
+        require_gpu()
+        arch = current_arch()
+    return make_plan(inp, bm, stages, extras, arch)
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    block_mask: Optional[BlockMask] = None,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    stages: Optional[int] = None,
+    out: Any = None,
+    bias: Any = None,
+    score_mod: Any = None,
+    fuse_mask: bool = False,
+):
+    """Exact softmax attention under a block-sparse mask.
+
+    q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` in float16 or bfloat16, last dim contiguous, other
+    strides free. ``block_mask`` (an omnicupy.BlockMask) or ``causal`` selects the allowed pairs;
+    neither means full attention. ``causal=True`` (or ``"top_left"``) is ``q_idx >= kv_idx``
+    (flex-attention's convention); ``causal="bottom_right"`` is ``q_idx + Nkv - Nq >= kv_idx``
+    (FlashAttention-2's, for prefill against a KV cache). ``scale`` defaults to ``1/sqrt(D)``.
+    ``stages`` picks the kernel pipeline (1: shared K/V buffer, 2: prefetch; None: tuned default).
+
+    ``bias`` (fp16, bf16 or fp32; ``[B|1, H|1, Nkv]`` or ``[B|1, H|1, Nq, Nkv]``, any strides) is added
+    to the scaled scores; ``score_mod`` (from omnicupy.score_mods) then modifies them; the mask
+    comes last. With ``fuse_mask=True``, when the BlockMask's mask_mod carries a CUDA expression
+    (simple built-in masks, omnicupy.cuda_mask), PARTIAL blocks evaluate it in the kernel instead of
+    loading the stored bits; the output is bit-identical. Stored bits are the default because they
+    measured faster (NOTES.md, "Fused mask expressions").
+
+    NumPy inputs give NumPy outputs; anything else (CuPy, DLPack, CUDA array interface) gives CuPy
+    arrays on the current device, computed on the current stream. Returns ``out`` or, with
+    ``return_lse``, ``(out, lse)`` where lse is float32 ``[B, Hq, Nq]`` (natural log, -inf for rows
+    with no allowed key, whose output is 0).
+    """
+    host_result = arrays.is_numpy(q)
+    inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
+    scale = check_scale(scale, inp.head_dim)
+    out = check_out(out, inp)
+    require_gpu()  # every check above runs without a GPU for NumPy inputs
+    inp = on_device(inp)
+    o, copy_into = device_out(out, inp)
+    cp = arrays.cupy_module()
+    lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
+    _launch(inp, o, lse, bm, scale, make_plan(inp, bm, stages, extras, current_arch()), extras)
+    if copy_into is not None:
+        if arrays.is_numpy(copy_into):
+            copy_into[...] = o.get()
+        else:
+            copy_into[...] = o
+        o = copy_into
+    if host_result:
+        o = o if arrays.is_numpy(o) else o.get()
+        lse = None if lse is None else lse.get()
+    return (o, lse) if return_lse else o
+
+
+def omni_attn_mma_blockmask(
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    kv_num_blocks: Any,
+    kv_indices: Any,
+    block_mask_types: Any,
+    stages: Optional[int] = None,
+    *,
+    partial_block_mask_indices: Any = None,
+    partial_block_masks: Any = None,
+    q_block_size: int = 128,
+    kv_block_size: int = 128,
+    scale: Optional[float] = None,
+    lse: Any = None,
+):
+    """Low-level call on raw metadata (docs/design.md, "Block mask metadata") and a caller-owned output buffer.
+
+    All arrays are device arrays (CuPy, DLPack or CUDA array interface). The metadata is validated on
+    the device on every call; build a BlockMask once and call ``attention`` to avoid that cost.
+    ``lse``, if given, is a contiguous float32 ``[B, Hq, Nq]`` buffer. Returns ``o``.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
+        if arrays.is_numpy(x):
+            raise ArgumentError(f"{name} must be a device array for the low-level call, got a NumPy array")
+    require_gpu()
+    inp = on_device(check_qkv(q, k, v))
+    meta_arrays = [kv_num_blocks, kv_indices, block_mask_types, partial_block_mask_indices, partial_block_masks]
+    names = ["kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks"]
+    meta_arrays = [None if a is None else arrays.to_cupy(a, n) for a, n in zip(meta_arrays, names)]
+    bm = BlockMask(*meta_arrays[:3], q_len=inp.q_len, kv_len=inp.kv_len, q_block_size=q_block_size,
+                   kv_block_size=kv_block_size, partial_block_mask_indices=meta_arrays[3],
+                   partial_block_masks=meta_arrays[4])
+    check_mask_matches(bm, inp)
+    check_stages(stages)
+    od = arrays.to_cupy(check_out(o, inp, "o"), "o")
+    check_device(od, "o")
+    if not aligned(od):
+        raise ArgumentError("o must be 16-byte aligned with row strides a multiple of 8 elements")
+    lse_d = None
+    if lse is not None:
+        lse_d = arrays.to_cupy(lse, "lse")
+        if tuple(lse_d.shape) != tuple(od.shape[:3]) or lse_d.dtype != np.float32 or not lse_d.flags.c_contiguous:
+            raise ArgumentError(f"lse must be a contiguous float32 array of shape {tuple(od.shape[:3])}")
+    _launch(inp, od, lse_d, bm, check_scale(scale, inp.head_dim), make_plan(inp, bm, stages, Extras(), current_arch()))
+    return o

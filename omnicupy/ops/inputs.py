@@ -1,0 +1,208 @@
+"""Argument checks every operation shares: q/k/v (shapes, dtypes, layout, device), scale, bias, score
+modifiers, output buffers, and the mask's agreement with the inputs.
+
+Every check raises a named omnicupy error (ArgumentError, MaskError, NoGPUError) before anything is
+launched; checks of NumPy inputs need no GPU. Knows arrays and the attention contract (docs/design.md,
+"Semantics"); knows nothing of kernels.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import arrays
+from ..checks import check_positive_float
+from ..dispatch.variant import SUPPORTED_HEAD_DIMS
+from ..errors import ArgumentError, MaskError, NoGPUError
+from ..mask import BlockMask, expressions
+
+MAX_GRID_YZ = 65535  # heads ride on grid.y, batch on grid.z
+BIAS_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
+if arrays.BFLOAT16 is not None:
+    BIAS_DTYPES[arrays.BFLOAT16] = "bf16"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """q, k, v (NumPy or CuPy) and the sizes read off them."""
+
+    q: Any
+    k: Any
+    v: Any
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+
+def require_gpu() -> None:
+    if arrays.cupy_module() is None:
+        raise NoGPUError("omnicupy needs CuPy: pip install 'omnicupy[cuda12]' or 'omnicupy[cuda13]'")
+    if not arrays.gpu_available():
+        raise NoGPUError("omnicupy.attention needs an NVIDIA GPU and driver; none is usable on this machine")
+
+
+def dtype_name(x: Any, name: str) -> str:
+    dt = np.dtype(x.dtype)
+    if dt not in arrays.DTYPE_NAMES:
+        raise ArgumentError(f"{name} must be float16 or bfloat16 (ml_dtypes.bfloat16), got dtype {dt}")
+    return arrays.DTYPE_NAMES[dt]
+
+
+def check_device(x: Any, name: str) -> None:
+    cp = arrays.cupy_module()
+    current = cp.cuda.runtime.getDevice()
+    if x.device.id != current:
+        raise ArgumentError(f"{name} is on CUDA device {x.device.id} but the current device is {current}")
+
+
+def aligned(x: Any) -> bool:
+    """16-byte loads need a 16-byte aligned base and row strides that are multiples of 8 elements."""
+    item = x.itemsize
+    return x.data.ptr % 16 == 0 and all((s // item) % 8 == 0 for s in x.strides[:-1])
+
+
+def as_array(x: Any, name: str):
+    """NumPy and CuPy arrays pass through (their checks need no GPU); DLPack and CUDA-array-interface
+    objects become zero-copy CuPy views."""
+    if x is None:
+        raise ArgumentError(f"{name} is required")
+    if arrays.is_numpy(x) or arrays.is_cupy(x):
+        return x
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        require_gpu()
+        return arrays.to_cupy(x, name)
+    raise ArgumentError(f"{name} must be a NumPy/CuPy array or a DLPack / CUDA-array-interface object, "
+                        f"got {type(x).__name__}")
+
+
+def check_layout(x: Any, name: str) -> str:
+    """Shape, dtype and last-dim contiguity of one input; returns its dtype name."""
+    if x.ndim != 4:
+        raise ArgumentError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(x.shape)}")
+    dtype = dtype_name(x, name)
+    if any(s == 0 for s in x.shape):
+        raise ArgumentError(f"{name} has a zero-size dimension: shape {tuple(x.shape)}")
+    if x.shape[3] > 1 and x.strides[3] != x.itemsize:
+        raise ArgumentError(f"{name} must be contiguous in its last dim (head_dim); got strides {x.strides} bytes")
+    return dtype
+
+
+def to_device(x: Any, name: str):
+    """A CuPy array on the current device whose rows allow 16-byte loads (one copy if they don't)."""
+    d = arrays.to_cupy(x, name)
+    check_device(d, name)
+    if not aligned(d):
+        d = arrays.cupy_module().ascontiguousarray(d)  # rare: offset views; one copy keeps 16-byte loads legal
+    return d
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> Inputs:
+    qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
+    dtypes = {n: check_layout(a, n) for n, a in (("q", qa), ("k", ka), ("v", va))}
+    if len(set(dtypes.values())) != 1:
+        raise ArgumentError(f"q, k and v must share one dtype, got {dtypes}")
+    B, Hq, Nq, D = qa.shape
+    if ka.shape != va.shape:
+        raise ArgumentError(f"k and v must have the same shape, got k {tuple(ka.shape)} and v {tuple(va.shape)}")
+    Bk, Hkv, Nkv, Dk = ka.shape
+    if Bk != B:
+        raise ArgumentError(f"k/v batch ({Bk}) must equal q batch ({B})")
+    if Dk != D:
+        raise ArgumentError(f"k/v head_dim ({Dk}) must equal q head_dim ({D})")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ArgumentError(f"q: head_dim {D} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    if Hq % Hkv:
+        raise ArgumentError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (GQA/MQA)")
+    if Hq > MAX_GRID_YZ or B > MAX_GRID_YZ:
+        raise ArgumentError(f"q: batch ({B}) and heads ({Hq}) must each be <= {MAX_GRID_YZ}")
+    return Inputs(qa, ka, va, dtypes["q"], B, Hq, Hkv, Nq, Nkv, D)
+
+
+def on_device(inp: Inputs) -> Inputs:
+    return replace(inp, q=to_device(inp.q, "q"), k=to_device(inp.k, "k"), v=to_device(inp.v, "v"))
+
+
+def check_scale(scale: Optional[float], head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else check_positive_float(scale, "scale")
+
+
+@dataclass(frozen=True)
+class Bias:
+    array: Any  # NumPy or CuPy, 3-D [B|1, H|1, Nkv] or 4-D [B|1, H|1, Nq, Nkv]
+    dtype: str
+
+
+def check_bias(bias: Any, inp: Inputs) -> Optional[Bias]:
+    """A vector bias [B|1, H|1, Nkv] or a matrix bias [B|1, H|1, Nq, Nkv] in fp16, bf16 or fp32."""
+    if bias is None:
+        return None
+    bias = as_array(bias, "bias")
+    dtype = BIAS_DTYPES.get(np.dtype(bias.dtype))
+    if dtype is None:
+        raise ArgumentError(f"bias must be float16, bfloat16 or float32, got dtype {bias.dtype}")
+    if bias.ndim not in (3, 4):
+        raise ArgumentError(f"bias must be [B|1, H|1, Nkv] or [B|1, H|1, Nq, Nkv], got shape {tuple(bias.shape)}")
+    want = (inp.batch, inp.heads) + ((inp.q_len,) if bias.ndim == 4 else ()) + (inp.kv_len,)
+    for dim, (got, full) in enumerate(zip(bias.shape, want)):
+        if got != full and not (got == 1 and dim < len(want) - 1):
+            raise ArgumentError(f"bias shape {tuple(bias.shape)} does not broadcast to {want} (dim {dim})")
+    return Bias(bias, dtype)
+
+
+def check_score_mod(score_mod: Any) -> Optional[expressions.CudaExpr]:
+    if score_mod is None:
+        return None
+    expr = getattr(score_mod, "cuda", None)
+    if not isinstance(expr, expressions.CudaExpr):
+        raise ArgumentError("score_mod must come from omnicupy.score_mods (alibi, softcap, cuda_score), "
+                            f"got {type(score_mod).__name__}")
+    return expr
+
+
+def check_mask_matches(bm: BlockMask, inp: Inputs) -> None:
+    Bm, Hm, q_len, kv_len = bm.shape
+    if q_len != inp.q_len or kv_len != inp.kv_len:
+        raise MaskError(f"block_mask is for q_len={q_len}, kv_len={kv_len} but q/k have {inp.q_len}, {inp.kv_len}")
+    if Bm not in (1, inp.batch):
+        raise MaskError(f"block_mask batch dim ({Bm}) must be 1 or the batch size ({inp.batch})")
+    if Hm not in (1, inp.heads):
+        raise MaskError(f"block_mask head dim ({Hm}) must be 1 or the number of q heads ({inp.heads})")
+
+
+def check_stages(stages: Any) -> None:
+    if stages not in (None, 1, 2):
+        raise ArgumentError(f"stages must be None, 1 or 2, got {stages!r}")
+
+
+def check_out(out: Any, inp: Inputs, name: str = "out"):
+    """Shape/dtype/layout checks of a user ``out`` (no GPU needed for NumPy); returns it as an array."""
+    if out is None:
+        return None
+    shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
+    out = as_array(out, name)
+    if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(inp.q.dtype):
+        raise ArgumentError(f"{name} must have shape {shape} and dtype {inp.q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out.strides[3] != out.itemsize:
+        raise ArgumentError(f"{name} must be contiguous in its last dim; got strides {out.strides} bytes")
+    return out
+
+
+def device_out(out: Any, inp: Inputs):
+    """(device buffer the kernel writes, user object to copy into afterwards or None)."""
+    cp = arrays.cupy_module()
+    shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
+    if out is None:
+        return cp.empty(shape, dtype=inp.q.dtype), None
+    if arrays.is_numpy(out):
+        return cp.empty(shape, dtype=inp.q.dtype), out
+    check_device(out, "out")
+    if not aligned(out):
+        return cp.empty(shape, dtype=inp.q.dtype), out
+    return out, None
