@@ -12,7 +12,6 @@ import hashlib
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from ..mask.types import cpp_enum
 from . import params
 from .arch import has_wgmma, smem_limit
 
@@ -156,7 +155,8 @@ class Variant:
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).
         values["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
         values["params_struct"] = params.STRUCTS[self.operation].cpp()
-        values["block_type_enum"] = cpp_enum()
+        values["m_tiles"] = 1 if self.family == "wgmma" else self.br // self.warps // 16
+        values["smem_pad"] = SMEM_PAD_ELEMS
         return values
 
 

@@ -1,0 +1,59 @@
+// From probabilities to the output: P packed into 16-bit A fragments for O += P V, and the
+// epilogue O /= l, LSE, 16-byte row stores. m16n8 accumulator layout, kMTiles row tiles per warp.
+#pragma once
+#include "online_softmax.cuh"
+
+namespace omni {
+
+// P stays in registers: the accumulator layout of two adjacent n8 tiles of S is exactly the A
+// fragment of one k16 step. Packing all of P first lets S's fp32 registers die before P V.
+template <class Mma, int kMTiles, int kNTiles>
+__device__ __forceinline__ void pack_p(u32 (&p)[kMTiles][kNTiles / 2][4], const float (&acc_s)[kMTiles][kNTiles][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) {
+      p[mt][kk][0] = Mma::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+      p[mt][kk][1] = Mma::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+      p[mt][kk][2] = Mma::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+      p[mt][kk][3] = Mma::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+    }
+}
+
+// O /= l, LSE, store. Each warp stages its own rows of O in its own rows of `stage` ([rows][kLd],
+// no other warp reads them), then writes whole rows of kHeadDim elements with 16-byte stores.
+// Rows with nothing allowed get O = 0 and LSE = -inf.
+template <class Mma, int kMTiles, int kDTiles, int kWarpRows, int kLd, class Softmax>
+__device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][kDTiles][4], const Softmax& softmax,
+                                             u16* stage, u16* o_bh, i64 o_sn, float* lse_bh, int q0, int q_len,
+                                             float scale_log2, int warp, int lane) {
+  constexpr int kChunks = kDTiles;  // 16-byte chunks per row: head_dim / 8
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = softmax.row_sum(mt, half);
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // empty row -> zeros
+      const int r = warp * kWarpRows + mt * 16 + lane / 4 + half * 8;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const u32 packed = Mma::pack(acc_o[mt][dt][2 * half] * inv, acc_o[mt][dt][2 * half + 1] * inv);
+        *reinterpret_cast<u32*>(stage + r * kLd + dt * 8 + (lane % 4) * 2) = packed;
+      }
+      if (lse_bh != nullptr && lane % 4 == 0 && q0 + r < q_len) {
+        lse_bh[q0 + r] = l > 0.f ? (softmax.m[mt][half] * scale_log2 + __log2f(l)) * kLn2 : neg_inf();
+      }
+    }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kWarpRows * kChunks / 32; ++i) {
+    const int c = i * 32 + lane;
+    const int r = warp * kWarpRows + c / kChunks, ch = c % kChunks;
+    if (q0 + r < q_len) {
+      *reinterpret_cast<Vec16*>(o_bh + static_cast<i64>(q0 + r) * o_sn + ch * 8) =
+          *reinterpret_cast<const Vec16*>(stage + r * kLd + ch * 8);
+    }
+  }
+}
+
+}  // namespace omni
