@@ -232,7 +232,7 @@ def test_launch_order_does_not_change_results(monkeypatch, head_dim):
     ids = np.repeat(np.arange(5), [200, 900, 64, 700, 136])
     n = ids.size
     bm = BlockMask.from_mask_mod(omnicupy.masks.document(ids, causal=True), None, None, n, n)
-    assert schedule.q_tile_order(bm, 64) is not None
+    assert schedule.launch_order(bm, 64) is not None
     q, k, v = random_qkv(rng, 2, 2, n, head_dim, "fp16")
     dense = reference.dense_mask_from_mod(omnicupy.masks.document(ids, causal=True), 1, 1, n, n)
     _, lpt = run_and_check(q, k, v, dense, "fp16", block_mask=bm)
