@@ -20,21 +20,26 @@ struct ScoreTile {
   int lane;
 };
 
-// Sets disallowed scores to -inf. `allowed(q, kv, mt, nt, i)` gets absolute positions; kv positions
-// at or past kv_len are always masked here.
-template <int kMTiles, int kNTiles, typename Allowed>
-__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], int q_row0, int kv0, int kv_len,
-                                            int lane, Allowed allowed) {
+// Calls f(score, q, kv, mt, nt, i) on every score this lane holds, with its absolute position.
+template <int kMTiles, int kNTiles, typename F>
+__device__ __forceinline__ void for_each_score(float (&acc_s)[kMTiles][kNTiles][4], int q_row0, int kv0, int lane, F f) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int q = q_row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-        const int kv = kv0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-        if (kv >= kv_len || !allowed(q, kv, mt, nt, i)) acc_s[mt][nt][i] = neg_inf();
-      }
+      for (int i = 0; i < 4; ++i)
+        f(acc_s[mt][nt][i], q_row0 + mt * 16 + lane / 4 + (i / 2) * 8, kv0 + nt * 8 + (lane % 4) * 2 + (i % 2), mt, nt, i);
+}
+
+// Sets disallowed scores to -inf. `allowed(q, kv, mt, nt, i)` gets absolute positions; kv positions
+// at or past kv_len are always masked here.
+template <int kMTiles, int kNTiles, typename Allowed>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], int q_row0, int kv0, int kv_len,
+                                            int lane, Allowed allowed) {
+  for_each_score(acc_s, q_row0, kv0, lane, [&](float& s, int q, int kv, int mt, int nt, int i) {
+    if (kv >= kv_len || !allowed(q, kv, mt, nt, i)) s = neg_inf();
+  });
 }
 
 // score = f(S, q, kv) for every real position (q < q_len, kv < kv_len). Positions past the ends are
@@ -43,16 +48,9 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
 template <bool kCheck, int kMTiles, int kNTiles, typename Transform>
 __device__ __forceinline__ void transform_scores(float (&acc_s)[kMTiles][kNTiles][4], int q_row0, int kv0, int q_len,
                                                  int kv_len, int lane, Transform f) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int q = q_row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-        const int kv = kv0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-        if (!kCheck || (q < q_len && kv < kv_len)) acc_s[mt][nt][i] = f(acc_s[mt][nt][i], q, kv);
-      }
+  for_each_score(acc_s, q_row0, kv0, lane, [&](float& s, int q, int kv, int, int, int) {
+    if (!kCheck || (q < q_len && kv < kv_len)) s = f(s, q, kv);
+  });
 }
 
 // Bias element types (Cfg::kBias).
