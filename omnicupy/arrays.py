@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import NoGPUError
+
 try:  # NumPy has no bfloat16; ml_dtypes provides the dtype CuPy 14 understands.
     import ml_dtypes
 
@@ -89,7 +91,7 @@ def to_cupy(x: Any, name: str):
     a host-to-device copy for NumPy (and anything ``numpy.asarray`` accepts)."""
     cp = cupy_module()
     if cp is None:
-        raise RuntimeError(f"{name}: CuPy is not installed; install omnicupy[cuda12] or omnicupy[cuda13]")
+        raise NoGPUError(f"{name}: CuPy is not installed; install omnicupy[cuda12] or omnicupy[cuda13]")
     if isinstance(x, cp.ndarray):
         return x
     if is_cuda_dlpack(x):

@@ -20,3 +20,7 @@ class CompileError(OmnicupyError, RuntimeError):
 
 class NoGPUError(OmnicupyError, RuntimeError):
     """A GPU is needed and none is usable (no CuPy, no driver or no device)."""
+
+
+class VariantError(OmnicupyError, ValueError):
+    """A kernel variant that cannot exist (inconsistent tile, unknown family) or cannot run on an arch."""

@@ -99,6 +99,11 @@ class ParamStruct:
     def size(self) -> int:
         return self._size
 
+    @property
+    def record_dtype(self) -> np.dtype:
+        """The opaque NumPy record (``V<size>``) CuPy passes by value as one kernel argument."""
+        return self._dtype
+
     def offset(self, name: str) -> int:
         return self._offsets[[p.name for p in self.params].index(name)]
 
@@ -142,18 +147,21 @@ class ParamStruct:
     # ------------------------------------------------------------------- pack
     def values(self, given: Mapping[str, Any]) -> list:
         """The flat list of numbers, in layout order, for fields given by name (all of them)."""
-        missing = [p.name for p in self.params if p.name not in given]
-        extra = sorted(set(given) - {p.name for p in self.params})
-        if missing or extra:
+        if len(given) != len(self.params) or not all(p.name in given for p in self.params):
+            missing = [p.name for p in self.params if p.name not in given]
+            extra = sorted(set(given) - {p.name for p in self.params})
             raise AbiError(f"{self.name}: missing fields {missing}, unknown fields {extra}")
         flat: list = []
         for p in self.params:
             value = given[p.name]
-            items = list(value) if p.count > 1 else [value]
+            if p.count == 1:
+                flat.append(_scalar(p.kind, value))
+                continue
+            items = list(value)
             if len(items) > p.count:
                 raise AbiError(f"{self.name}.{p.name}: {len(items)} values for {p.count} slots")
-            items += [0] * (p.count - len(items))
-            flat.extend(_scalar(p, v) for v in items)
+            flat.extend(_scalar(p.kind, v) for v in items)
+            flat.extend([0] * (p.count - len(items)))
         return flat
 
     def pack(self, given: Mapping[str, Any]) -> np.void:
@@ -174,17 +182,15 @@ class ParamStruct:
         return out
 
 
-def _scalar(p: Param, value: Any):
+def _scalar(kind: str, value: Any):
     """One slot's number: device pointers from arrays (CuPy, or anything with a data pointer)."""
-    if p.kind == "ptr":
+    if kind == "ptr":
         if value is None:
             return 0
         data = getattr(value, "data", None)
         ptr = getattr(data, "ptr", None)
         return int(value) if ptr is None else int(ptr)
-    if p.kind == "f32":
-        return float(value)
-    return int(value)
+    return float(value) if kind == "f32" else int(value)
 
 
 def struct_of(name: str, params: Sequence[Param]) -> ParamStruct:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, VariantError
 from ..jit import env
 from .arch import has_wgmma
 from .variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
@@ -32,7 +32,7 @@ class Tile:
         poly = [int(f[1:]) for f in flags if f.startswith("p")]
         unknown = [f for f in flags if f != "o" and not (f.startswith("p") and f[1:].isdigit())]
         if len(parts) < 3 or unknown:
-            raise ValueError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN]")
+            raise VariantError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN]")
         return cls(*map(int, parts[:3]), overlap="o" in flags, poly_exp=poly[0] if poly else 0)
 
     def options(self) -> dict:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from . import params
+from ..errors import VariantError
 from .arch import has_wgmma, smem_limit
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -70,32 +71,32 @@ class Variant:
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
-            raise ValueError(f"bias dtype must be one of {BIAS_DTYPES} or None, got {self.bias!r}")
+            raise VariantError(f"bias dtype must be one of {BIAS_DTYPES} or None, got {self.bias!r}")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim {self.head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+            raise VariantError(f"head_dim {self.head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported (supported: {SUPPORTED_DTYPES})")
+            raise VariantError(f"dtype {self.dtype!r} is not supported (supported: {SUPPORTED_DTYPES})")
         if self.stages not in SUPPORTED_STAGES:
-            raise ValueError(f"stages must be 1 or 2, got {self.stages}")
+            raise VariantError(f"stages must be 1 or 2, got {self.stages}")
         if self.warps < 1 or self.br % (16 * self.warps):
-            raise ValueError(f"br={self.br} must be a multiple of 16 * warps ({self.warps})")
+            raise VariantError(f"br={self.br} must be a multiple of 16 * warps ({self.warps})")
         if self.bc % 32 or self.bc < 32:
-            raise ValueError(f"bc={self.bc} must be a positive multiple of 32")
+            raise VariantError(f"bc={self.bc} must be a positive multiple of 32")
         if (self.operation, self.family) not in TEMPLATES:
-            raise ValueError(f"no {self.family!r} kernel for operation {self.operation!r} "
+            raise VariantError(f"no {self.family!r} kernel for operation {self.operation!r} "
                              f"(have {sorted(TEMPLATES)})")
         if self.overlap and self.family != "wgmma":
-            raise ValueError("overlap is a wgmma pipeline option")
+            raise VariantError("overlap is a wgmma pipeline option")
         if self.poly_exp < 0 or (self.poly_exp and (self.bc // 8) % self.poly_exp):
-            raise ValueError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
+            raise VariantError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
         if self.family == "wgmma":
             if self.head_dim not in WGMMA_HEAD_DIMS:
-                raise ValueError(f"the wgmma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
+                raise VariantError(f"the wgmma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
             if self.br % 64 or self.warps != self.br // 16:
-                raise ValueError(f"wgmma: br={self.br} must be a multiple of 64 with one warp per 16 rows "
+                raise VariantError(f"wgmma: br={self.br} must be a multiple of 64 with one warp per 16 rows "
                                  f"(warps={self.br // 16}), got warps={self.warps}")
             if self.bc not in WGMMA_BC:
-                raise ValueError(f"wgmma: bc must be one of {WGMMA_BC}, got {self.bc}")
+                raise VariantError(f"wgmma: bc must be one of {WGMMA_BC}, got {self.bc}")
 
     @property
     def name(self) -> str:
@@ -138,7 +139,7 @@ class Variant:
         if self.family != "wgmma":
             return arch
         if not has_wgmma(arch):
-            raise ValueError(f"{self.name} uses wgmma, which only sm_90 (Hopper) has; cannot build for {arch}")
+            raise VariantError(f"{self.name} uses wgmma, which only sm_90 (Hopper) has; cannot build for {arch}")
         return "sm_90a"
 
     def runs_on(self, arch: str) -> bool:

@@ -107,7 +107,8 @@ class BlockMask:
         )
         self.mask_mod = mask_mod
         self._device_cache: dict[int, DeviceMetadata] = {}
-        self._tile_orders: dict = {}  # schedule.q_tile_order, per (device, tile rows)
+        self._tile_orders: dict = {}  # dispatch/schedule.launch_order per tile height, device copies
+        self._recipes: dict = {}  # ops/forward.py: steady-state launches per call signature
         self.features = self._validate(_features)
 
     # ------------------------------------------------------------------ shape
@@ -190,10 +191,15 @@ class BlockMask:
                                   self.partial_block_mask_indices) if a is not None]
             keep = tuple(slice(0, 1) if all(a.strides[d] == 0 for a in per_bh) else slice(None) for d in (0, 1))
 
+            # Host metadata goes up through pinned memory, asynchronously on the current stream:
+            # no synchronization, and a copy a CUDA graph can capture.
             def dev_array(a, dtype=np.int32, per_batch_head=True):
                 if a is None:
                     return None
-                return cp.ascontiguousarray(cp.asarray(a[keep] if per_batch_head else a, dtype=dtype))
+                a = a[keep] if per_batch_head else a
+                if not arrays.is_cupy(a):
+                    return cp.asarray(np.ascontiguousarray(a, dtype=dtype), blocking=False)
+                return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
 
             nb = dev_array(self.kv_num_blocks)
             stored_b, stored_h, nqb = (int(n) for n in nb.shape)
