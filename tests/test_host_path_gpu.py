@@ -9,7 +9,7 @@ import pytest
 import omnicupy
 from omnicupy import BlockMask, masks, reference
 
-from .helpers import TOLERANCE
+from helpers import TOLERANCE
 
 pytestmark = pytest.mark.gpu
 

@@ -180,10 +180,6 @@ def _signature(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod,
     key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
            None if out is None else (out.shape, out.strides, out.dtype), causal, scale, bool(return_lse), stages,
            id(bias), id(score_mod), bool(fuse_mask), cp.cuda.runtime.getDevice(), env.mma_family(), env.schedule())
-    try:
-        hash(key)
-    except TypeError:  # an unhashable argument (a list for causal, ...): the general path says what is wrong
-        return None
     return key
 
 
@@ -197,7 +193,10 @@ def to_device_view(x: Any, name: str):
 
 def _fast_call(bm: BlockMask, key: tuple, q, k, v, out, return_lse):
     """The steady-state call: a recipe for this signature exists and the data pointers allow it."""
-    recipe = bm._recipes.get(key)
+    try:
+        recipe = bm._recipes.get(key)
+    except TypeError:  # an unhashable argument (a list for causal, ...): the general path says what is wrong
+        return None
     if recipe is None:
         return None
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
@@ -217,6 +216,10 @@ def _fast_call(bm: BlockMask, key: tuple, q, k, v, out, return_lse):
 
 def _remember(bm: BlockMask, key: Optional[tuple], recipe: "Recipe", bias, score_mod) -> None:
     if key is None:
+        return
+    try:
+        hash(key)
+    except TypeError:
         return
     if len(bm._recipes) >= MAX_RECIPES_PER_MASK:
         bm._recipes.clear()
@@ -295,7 +298,7 @@ def attention(
     """
     key = None
     if arrays.gpu_available():
-        if arrays.is_cuda_dlpack(q) and not arrays.is_cupy(q):  # torch & co.: zero-copy CuPy views, once
+        if not arrays.is_cupy(q) and arrays.is_cuda_dlpack(q):  # torch & co.: zero-copy CuPy views, once
             q, k, v = (to_device_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         key = _signature(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod, fuse_mask)
         if key is not None:
