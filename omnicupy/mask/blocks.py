@@ -66,7 +66,7 @@ def block_types(bits, q0, kv0, q_len: int, kv_len: int):
     q0, kv0 = np.asarray(q0, dtype=np.int64), np.asarray(kv0, dtype=np.int64)
     real_rows = rows < (q_len - q0)[:, None]  # [K, qbs]
     real_cols = np.minimum(kv_len - kv0, kbs)[:, None]  # [K, 1]
-    real = prefix[np.where(real_rows, real_cols, 0)]  # [K, qbs, W]
+    real = np.take(prefix, np.where(real_rows, real_cols, 0), axis=0)  # [K, qbs, W]
     bits &= real
     flat, real_flat = bits.reshape(k, -1), real.reshape(k, -1)
     none = ~flat.any(axis=1)
@@ -74,13 +74,16 @@ def block_types(bits, q0, kv0, q_len: int, kv_len: int):
     # CAUSAL: each real row r allows the real columns up to its diagonal, kv <= q0 + r. (Only a block
     # the diagonal crosses can be that without being all or nothing, which take precedence.)
     diagonal = np.clip(q0[:, None] + rows - kv0[:, None] + 1, 0, real_cols) * real_rows
-    causal = (bits == prefix[diagonal]).reshape(k, -1).all(axis=1)
+    causal = (bits == np.take(prefix, diagonal, axis=0)).reshape(k, -1).all(axis=1)
     return np.select([none, full, causal], [MASKED, FULL, CAUSAL], PARTIAL).astype(np.int8)
 
 
 def pool_order(pool: np.ndarray, hashes: np.ndarray) -> np.ndarray:
     """The canonical order of distinct pool entries ``[P, qbs, W]`` (host): ascending hash, ties
     (collisions) by their words in order."""
+    order = np.argsort(hashes, kind="stable")
+    if np.all(np.diff(hashes[order].astype(np.uint64)) > 0):  # no collision: the hashes decide
+        return order
     words = pool.reshape(len(pool), -1)
     return np.lexsort(tuple(words[:, ::-1].T) + (hashes,))
 

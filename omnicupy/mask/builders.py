@@ -43,7 +43,7 @@ from .evaluate import BroadcastFailure, ScalarEvaluator
 from .kernels import Backend, backend_for
 from .layout import Items, device_table, items_from_runs, segments_of, summary_of, write_host
 from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, MaskMod, check_mask_mod, name_of
-from .patterns import PatternPool, row_runs, run_codes, run_types
+from .patterns import PatternPool, cut_blocks
 from .types import PARTIAL_WORD_BITS, BlockType, MaskFeatures, cdiv
 
 PARTIAL = int(BlockType.PARTIAL)
@@ -299,7 +299,7 @@ class _Build:
         """Rows from a MaskMod's windows; with exact bounds the cut blocks come from their row runs
         (patterns.py), chunk by chunk, and nothing is evaluated."""
         parts, pattern_ids, pool = [], [], PatternPool(self.qbs, self.kbs)
-        grid = None
+        grid, exact = None, True
         for chunk in windows:
             bs, hs, n = chunk.first.shape
             grid = grid or (bs, hs, self.nqb)
@@ -313,7 +313,8 @@ class _Build:
             kinds = np.stack(np.broadcast_arrays(np.int8(EVALUATE), np.int8(FULL), chunk.tail), axis=-1)
             items = items_from_runs(row_ids, chunk.first, lengths, kinds, split=EVALUATE)
             ids = np.full(len(items.row), -1, dtype=np.int64)
-            if chunk.start is not None:
+            exact = exact and chunk.start is not None
+            if exact:
                 self._cut_blocks(chunk, items, ids, pool)
             parts.append(items)
             pattern_ids.append(ids)
@@ -322,7 +323,7 @@ class _Build:
         if len(parts) > 1 and grid[0] * grid[1] > 1:  # chunks split rows: back to (row, kv) order
             order = np.argsort(items.row, kind="stable")
             items, ids = items.select(order), ids[order]
-        if not np.any(items.kind == EVALUATE):
+        if exact:  # (PARTIAL and EVALUATE share a value: `exact` tells them apart)
             return self._exact(items, ids, pool, grid)
         return self.finish(items, grid)
 
@@ -333,15 +334,14 @@ class _Build:
         if not at.size:
             return
         b_h, q = np.divmod(items.row[at], self.nqb)
-        b, h = np.divmod(b_h, chunk.first.shape[1])
-        local_q = q - chunk.q_start
+        n = chunk.first.shape[2]
+        local = b_h * n + q - chunk.q_start  # row of the chunk's [Bs * Hs * n, qbs] bounds
         q0, kv0 = q * self.qbs, items.kv[at] * self.kbs
-        lo, hi = row_runs(chunk.start[b, h, local_q], chunk.end[b, h, local_q], q0, kv0, self.q_len, self.kv_len,
-                          self.kbs)
-        types = run_types(lo, hi, q0, kv0, self.q_len, self.kv_len, self.kbs)
+        start, end = (np.take(a.reshape(-1, self.qbs), local, axis=0) for a in (chunk.start, chunk.end))
+        types, codes = cut_blocks(start, end, q0, kv0, self.q_len, self.kv_len, self.kbs)
         items.kind[at] = types
         partial = types == PARTIAL
-        ids[at[partial]] = pool.add(run_codes(lo[partial], hi[partial], self.kbs))
+        ids[at[partial]] = pool.add(codes[partial])
 
     def _exact(self, items: Items, ids: np.ndarray, pool: PatternPool, grid) -> BlockMask:
         partial = np.flatnonzero(items.kind == PARTIAL)

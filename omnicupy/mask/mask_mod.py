@@ -134,11 +134,12 @@ class MaskMod:
             n = min(blocks_per_chunk, nqb - q_start)
             # Padding rows repeat the last real row, so per-block min / max / all see only real rows.
             q = np.minimum(np.arange(q_start * qbs, (q_start + n) * qbs), q_len - 1).reshape(1, 1, -1)
-            start, end = self.bounds(b, h, q)
-            start, end, q = np.broadcast_arrays(np.asarray(start), np.asarray(end), q)
-            rows = start.shape[:2] + (n, qbs)
-            start, end, q = (a.reshape(rows) for a in (start, end, q))
-            lo_start, hi_start, lo_end, hi_end = start.min(-1), start.max(-1), end.min(-1), end.max(-1)
+            start, end = (np.asarray(a) for a in self.bounds(b, h, q))
+            shape = np.broadcast_shapes(start.shape, end.shape, q.shape)
+            rows = shape[:2] + (n, qbs)
+            # Reduced over each bound's own shape (a scalar start is not n * qbs copies of itself).
+            lo_start, hi_start, lo_end, hi_end = (np.broadcast_to(r, rows[:3]) for r in _row_extremes(start, end, n, qbs))
+            start, end, q = (np.broadcast_to(a, shape).reshape(rows) for a in (start, end, q))
             # The window: the blocks with a column in [lo_start, hi_end), the hull of the rows'
             # intervals; the others are MASKED. Block k's columns are [k * kbs, min((k + 1) * kbs, kv_len)).
             first = np.where(lo_start < kv_len, np.maximum(lo_start // kbs, 0), nkvb)
@@ -189,6 +190,20 @@ class MaskMod:
         b, h, q, s = np.nonzero(types)
         grid[b, h, q, first[b, h, q] + s] = types[b, h, q, s]
         return xp.asarray(grid)
+
+
+def _row_extremes(start: np.ndarray, end: np.ndarray, n: int, qbs: int):
+    """Per q block: the least and greatest start, the least and greatest end, from bounds of any
+    shape that broadcasts to ``[Bs, Hs, n * qbs]``."""
+    out = []
+    for a in (start, end):
+        if a.ndim == 0 or a.shape[-1] == 1:  # the same for every row
+            a = a.reshape(a.shape[:-1] + (1,)) if a.ndim else a.reshape(1, 1, 1)
+            out += [a, a]
+        else:
+            a = a.reshape(a.shape[:-1] + (n, qbs))
+            out += [a.min(-1), a.max(-1)]
+    return out
 
 
 def runs_of(chunks: list[Windows]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
