@@ -422,7 +422,7 @@ def test_inspection_of_an_interleaved_mask():
     assert "full=62, causal=8, partial=14, pool=5" in repr(bm)  # counts over both batch rows
     # Two characters wide: each one a square of 4x4 blocks (13, 3, 16 and 10 of 16 visited).
     picture = bm.to_string(width=2).splitlines()
-    assert picture[:2] == ["92", "#7"] and picture[2].startswith("(8x8 blocks, 4x4 per character")
+    assert picture[:2] == ["82", "#6"] and picture[2].startswith("(8x8 blocks, 4x4 per character")
 
 
 # --------------------------------------------------------------------------------- validation

@@ -65,6 +65,26 @@ class MaskSummary:
         return sum(self.counts[1:])
 
 
+@dataclass(frozen=True)
+class RowRuns:
+    """The listed blocks as runs, when a builder knows them (host, O(runs)): run i is ``length[i]``
+    blocks of type ``kind[i]`` from kv block ``kv[i]`` on, in row ``row[i]`` of the stored grid
+    ``[Bs, Hs, nQB]`` (flattened). Inspection reads these instead of the metadata's slots."""
+
+    grid: tuple[int, int, int]
+    row: np.ndarray
+    kv: np.ndarray
+    length: np.ndarray
+    kind: np.ndarray
+
+    def of(self, batch: int, head: int) -> tuple[np.ndarray, ...]:
+        """(q block, kv, length, kind) of the rows of (batch, head) (broadcast dims: their one row)."""
+        bs, hs, nqb = self.grid
+        first = ((batch if bs > 1 else 0) * hs + (head if hs > 1 else 0)) * nqb
+        lo, hi = np.searchsorted(self.row, [first, first + nqb])
+        return self.row[lo:hi] - first, self.kv[lo:hi], self.length[lo:hi], self.kind[lo:hi]
+
+
 def _check_positive_int(value: Any, name: str, multiple: int = 1) -> int:
     return check_int(value, name, minimum=1, multiple=multiple, error=MaskError)
 
@@ -147,6 +167,7 @@ class BlockMask:
         mask_mod: Optional[Callable] = None,
         _features: Optional[MaskFeatures] = None,
         _summary: Optional[MaskSummary] = None,
+        _runs: Optional[RowRuns] = None,
     ) -> None:
         self.q_len, self.kv_len, self.q_block_size, self.kv_block_size = check_sizes(q_len, kv_len, q_block_size,
                                                                                      kv_block_size)
@@ -165,6 +186,7 @@ class BlockMask:
         (self.kv_num_blocks, self.kv_indices, self.block_mask_types, self.partial_block_mask_indices,
          self.partial_block_masks) = given
         self.mask_mod = mask_mod
+        self._runs = _runs if trusted else None
         self._device_cache: dict[int, DeviceMetadata] = {}
         self._tile_orders: dict = {}  # schedule.q_tile_order, per (device, tile rows)
         self._check_shapes()
@@ -341,8 +363,9 @@ class BlockMask:
         ``display.picture``). Reads one (batch, head)'s rows a chunk at a time."""
         width = check_int(width, "width", minimum=1, error=MaskError)
         b, h = min(batch, self.shape[0] - 1), min(head, self.shape[1] - 1)
+        runs = None if self._runs is None else self._runs.of(b, h)
         return display.picture(self.kv_num_blocks[b, h], self.kv_indices[b, h], self.block_mask_types[b, h],
-                               self.num_kv_blocks, width)
+                               self.num_kv_blocks, width, runs=runs)
 
     def __repr__(self) -> str:
         counts = dict(zip((t.name.lower() for t in BlockType), self.summary.counts))
@@ -462,5 +485,5 @@ def validate_metadata(nb, idx, types, pidx, pool, *, q_len: int, kv_len: int, q_
     return MaskFeatures(causal=has_causal, partial=has_partial), summary
 
 
-__all__ = ["BlockMask", "BlockType", "MaskFeatures", "MaskSummary", "DeviceMetadata", "cdiv", "validate_metadata",
+__all__ = ["BlockMask", "BlockType", "MaskFeatures", "MaskSummary", "RowRuns", "DeviceMetadata", "cdiv", "validate_metadata",
            "check_sizes", "causal_band", "owned_copy"]

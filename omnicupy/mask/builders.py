@@ -38,7 +38,7 @@ import numpy as np
 from .. import arrays
 from ..errors import MaskError
 from . import blocks, evaluate, zoo
-from .block_mask import BlockMask, MaskSummary, _as_index_array, _check_positive_int, check_sizes
+from .block_mask import BlockMask, MaskSummary, RowRuns, _as_index_array, _check_positive_int, check_sizes
 from .evaluate import BroadcastFailure, ScalarEvaluator
 from .kernels import Backend, backend_for
 from .layout import Items, device_table, items_from_runs, segments_of, summary_of, write_host
@@ -113,8 +113,10 @@ def full(q_len: int, kv_len: int, *, q_block_size: int = 128, kv_block_size: int
     idx = np.broadcast_to(row, (1, 1, nqb, nkvb))
     types = np.broadcast_to(np.int32(BlockType.FULL), (1, 1, nqb, nkvb))
     summary = MaskSummary(counts=(0, 0, nqb * nkvb, 0), q_block_work=np.full(nqb, 2 * nkvb, dtype=np.int64))
+    q = np.arange(nqb)
+    runs = RowRuns((1, 1, nqb), q, np.zeros(nqb, np.int64), np.full(nqb, nkvb), np.full(nqb, int(BlockType.FULL)))
     return BlockMask(nb, idx, types, q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
-                     _features=MaskFeatures(causal=False, partial=False), _summary=summary)
+                     _features=MaskFeatures(causal=False, partial=False), _summary=summary, _runs=runs)
 
 
 def causal(q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size: int = 128,
@@ -163,9 +165,14 @@ def _causal_rule(q_len: int, kv_len: int, qbs: int, kbs: int) -> BlockMask:
                           q_block_work=(2 * full_count + causal_blocks).astype(np.int64))
     counts = count.astype(np.int32)
     counts.flags.writeable = False
+    q = np.arange(nqb)
+    runs = RowRuns((1, 1, nqb), np.repeat(q, 2), np.stack([np.zeros(nqb, np.int64), full_count], 1).reshape(-1),
+                   np.stack([full_count, causal_blocks], 1).reshape(-1),
+                   np.tile([int(BlockType.FULL), int(BlockType.CAUSAL)], nqb))
     return BlockMask(counts[None, None], np.broadcast_to(np.arange(maxb, dtype=np.int32), (1, 1, nqb, maxb)),
                      types[None, None], q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
-                     _features=MaskFeatures(causal=bool(has_causal.any()), partial=False), _summary=summary)
+                     _features=MaskFeatures(causal=bool(has_causal.any()), partial=False), _summary=summary,
+                     _runs=runs)
 
 
 # ------------------------------------------------------------------------------ from a mask_mod
@@ -524,9 +531,11 @@ class _Build:
         idx, types, pidx = (None if a is None else xp.broadcast_to(a.reshape(grid + (maxb,)),
                                                                    self.batch_heads + (nqb, maxb))
                             for a in (idx, types, pidx))
+        listed = items.kind != MASKED
+        runs = RowRuns(grid, items.row[listed], items.kv[listed], items.length[listed], items.kind[listed])
         return BlockMask(nb, idx, types, q_len=self.q_len, kv_len=self.kv_len, q_block_size=self.qbs,
                          kv_block_size=self.kbs, partial_block_mask_indices=pidx, partial_block_masks=pool,
-                         mask_mod=self.mask_mod, _features=features, _summary=summary)
+                         mask_mod=self.mask_mod, _features=features, _summary=summary, _runs=runs)
 
 
 def _packed(allowed, k: int, qbs: int, kbs: int) -> np.ndarray:

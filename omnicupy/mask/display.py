@@ -42,21 +42,43 @@ def type_counts_per_cell(nb: Any, idx: Any, types: Any, num_kv_blocks: int, side
     return counts.reshape(n_rows, n_cols, 4)
 
 
-def picture(nb: Any, idx: Any, types: Any, num_kv_blocks: int, width: int) -> str:
+def type_counts_from_runs(q_block: np.ndarray, kv: np.ndarray, length: np.ndarray, kind: np.ndarray,
+                          num_q_blocks: int, num_kv_blocks: int, side: int) -> np.ndarray:
+    """``type_counts_per_cell`` from runs of blocks: run i is ``length[i]`` blocks of type ``kind[i]``
+    from kv block ``kv[i]`` on, in q block ``q_block[i]``. O(runs x squares a run touches)."""
+    n_rows, n_cols = cdiv(num_q_blocks, side), cdiv(num_kv_blocks, side)
+    listed = (length > 0) & (kind > BlockType.MASKED) & (kind <= BlockType.PARTIAL)
+    q_block, kv, length, kind = q_block[listed], kv[listed], length[listed], kind[listed].astype(np.int64)
+    first, last = kv // side, (kv + length - 1) // side
+    touched = last - first + 1
+    run = np.repeat(np.arange(len(kv)), touched)
+    cell = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(touched) - touched, touched)
+    overlap = np.minimum(kv[run] + length[run], (cell + 1) * side) - np.maximum(kv[run], cell * side)
+    key = ((q_block[run] // side) * n_cols + cell) * 4 + kind[run]
+    counts = np.bincount(key, weights=overlap, minlength=n_rows * n_cols * 4)
+    return counts.astype(np.int64).reshape(n_rows, n_cols, 4)
+
+
+def picture(nb: Any, idx: Any, types: Any, num_kv_blocks: int, width: int, runs: Any = None) -> str:
     """The rows of one (batch, head) as text, at most ``width`` characters wide and tall.
 
     One character per block while the grid fits ('#' FULL, '\\' CAUSAL, '+' PARTIAL, '.' MASKED or
     unlisted); otherwise each character is a square of blocks: a block character where all of them
     are of that type, '*' where all are visited but of several types, and a digit 1-9 where only
-    part are visited (tenths of the square's blocks, rounded up). A last line then says so."""
+    part are visited (tenths of the square's blocks, to the nearest, 1 to 9). A last line then says so.
+    ``runs`` (q block, kv, length, kind), when the rows are known as runs, are counted instead of
+    the slots."""
     nqb = int(idx.shape[0])
     side = max(1, cdiv(num_kv_blocks, width), cdiv(nqb, width))
-    counts = type_counts_per_cell(nb, idx, types, num_kv_blocks, side)
+    if runs is not None:
+        counts = type_counts_from_runs(*runs, nqb, num_kv_blocks, side)
+    else:
+        counts = type_counts_per_cell(nb, idx, types, num_kv_blocks, side)
     rows_in = np.minimum(side, nqb - side * np.arange(counts.shape[0]))
     cols_in = np.minimum(side, num_kv_blocks - side * np.arange(counts.shape[1]))
     total = rows_in[:, None] * cols_in[None, :]
     visited = counts[..., 1:].sum(axis=-1)
-    tenths = np.clip(-(-10 * visited // total), 1, 9)
+    tenths = np.clip(np.rint(10 * visited / total), 1, 9).astype(np.int64)
     chars = np.where(visited == total, MIXED_CHAR, tenths.astype(str)).astype(object)
     chars[visited == 0] = BLOCK_CHARS[BlockType.MASKED]
     for t in (BlockType.CAUSAL, BlockType.FULL, BlockType.PARTIAL):
@@ -68,4 +90,4 @@ def picture(nb: Any, idx: Any, types: Any, num_kv_blocks: int, width: int) -> st
     return "\n".join(lines)
 
 
-__all__ = ["picture", "type_counts_per_cell", "SLOTS_PER_CHUNK", "MIXED_CHAR"]
+__all__ = ["picture", "type_counts_per_cell", "type_counts_from_runs", "SLOTS_PER_CHUNK", "MIXED_CHAR"]
