@@ -14,7 +14,6 @@ from omnicupy import BlockMask, MaskError, masks
 from omnicupy.mask import builders, evaluate
 from omnicupy.mask.block_mask import causal_band, check_sizes
 from omnicupy.mask.types import BlockType, cdiv, max_length
-from omnicupy.reference import dense_mask_from_mod
 
 
 # ------------------------------------------------------------------------------------ ownership

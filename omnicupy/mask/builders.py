@@ -40,7 +40,7 @@ from ..errors import MaskError
 from . import blocks, evaluate, zoo
 from .block_mask import BlockMask, MaskSummary, RowRuns, _as_index_array, _check_positive_int, check_sizes
 from .evaluate import BroadcastFailure, ScalarEvaluator
-from .kernels import Backend, backend_for
+from .kernels import Backend, backend_for, precompile_specs
 from .layout import Items, device_table, items_from_runs, segments_of, summary_of, write_host
 from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, MaskMod, check_mask_mod, name_of
 from .patterns import PatternPool, cut_blocks
@@ -565,5 +565,5 @@ def _dense_bits(mask: np.ndarray, coords: np.ndarray, q_len: int, kv_len: int, q
     return out
 
 
-__all__ = ["full", "causal", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS",
-           "DEVICE_CHUNK_ELEMENTS"]
+__all__ = ["full", "causal", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "precompile_specs",
+           "CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS"]

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .. import arrays
 from ..errors import MaskError
-from .mask_mod import (CAUSAL, EVALUATE, FULL, MASKED, LookupTable, MaskMod, array_module_of, as_bool_result,
-                       check_mask_int, check_mask_mod)
+from .mask_mod import (EVALUATE, LookupTable, MaskMod, array_module_of, as_bool_result, check_mask_int,
+                       check_mask_mod)
 
 # ------------------------------------------------------------------------------------- band masks
 def causal(offset: int = 0) -> MaskMod:
