@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from benchmarks import _cases  # noqa: E402
 from omnicupy import BlockMask, arrays, masks  # noqa: E402
-from omnicupy.mask import builders, kernels, layout, patterns  # noqa: E402
+from omnicupy.mask import builders, kernels, patterns  # noqa: E402
 from omnicupy.mask.mask_mod import EVALUATE  # noqa: E402
 
 MASKS = ("causal", "sliding_window_1024", "document", "interleaved", "random_50", "random_10")

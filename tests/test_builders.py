@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from omnicupy import BlockMask, arrays, masks
 from omnicupy.mask import blocks, builders
 from omnicupy.mask.block_mask import BlockType, cdiv, validate_metadata
+from omnicupy.mask.mask_mod import LookupTable
 from omnicupy.errors import MaskError
 from omnicupy.reference import dense_mask_from_mod
 
@@ -291,6 +292,40 @@ mask_trees = st.recursive(leaves, lambda children: st.one_of(
        B=st.sampled_from([None, 2]), H=st.sampled_from([None, 3]))
 def test_random_mask_mods(mod, q_len, kv_len, qbs, kbs, B, H):
     check_mask_mod(mod, B, H, q_len, kv_len, qbs, kbs)
+
+
+def interval_rows(starts, ends, name):
+    """An exact MaskMod from arbitrary per-row intervals [start, end) (empty where end <= start)."""
+    start, end = LookupTable(np.asarray(starts)), LookupTable(np.asarray(ends))
+
+    def rows(b, h, q_idx, kv_idx):
+        return (kv_idx >= start.lookup(b, q_idx)) & (kv_idx < end.lookup(b, q_idx))
+
+    return masks.MaskMod(rows, name, bounds=lambda b, h, q: (start.lookup(b, q), end.lookup(b, q)),
+                         length=len(starts))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), q_len=st.integers(1, 300), kv_len=st.integers(1, 300),
+       qbs=st.sampled_from([16, 32, 64]), kbs=st.sampled_from([32, 64, 128]),
+       style=st.sampled_from(["random", "diagonal", "bands", "empty-rows"]))
+def test_exact_row_intervals(seed, q_len, kv_len, qbs, kbs, style):
+    """Cut blocks filled from the row bounds (no evaluation) equal the evaluated ones, whatever the
+    intervals: random, ending at the diagonal (CAUSAL candidates), bands, rows with nothing."""
+    rng = np.random.default_rng(seed)
+    n = max(q_len, kv_len)
+    q = np.arange(n)
+    if style == "random":
+        a, b = rng.integers(-5, n + 5, (2, n))
+        starts, ends = np.minimum(a, b), np.maximum(a, b)
+    elif style == "diagonal":
+        starts, ends = np.where(rng.random(n) < 0.8, 0, rng.integers(0, n, n)), q + 1
+    elif style == "bands":
+        width = rng.integers(1, 100)
+        starts, ends = q - width + 1 + rng.integers(-2, 3), q + rng.integers(-2, 40)
+    else:
+        starts, ends = rng.integers(0, n, n), rng.integers(0, n, n)  # often end <= start: nothing
+    check_mask_mod(interval_rows(starts, ends, f"rows_{style}_{seed}"), None, None, q_len, kv_len, qbs, kbs)
 
 
 # --------------------------------------------------------------------------------- from_dense

@@ -486,8 +486,10 @@ class _Build:
             _ELEMENTWISE.add(mod)
 
     def _scalar(self, coords: np.ndarray):
-        """The scalar mode (evaluate.py), on the host, chunk by chunk; the pool goes to ``xp``."""
-        scalar = ScalarEvaluator(self.mask_mod, self.q_len, self.kv_len, self.qbs, self.kbs)
+        """The scalar mode (evaluate.py), chunk by chunk, its results packed on the host; the pool goes
+        to ``xp``. Index arrays are CuPy when the mask_mod takes CuPy arrays (its tables may be CuPy)."""
+        index_module = np if self.backend is None else _evaluation_module(self.mask_mod, self.xp)
+        scalar = ScalarEvaluator(self.mask_mod, self.q_len, self.kv_len, self.qbs, self.kbs, index_module)
         per_chunk = max(1, CHUNK_ELEMENTS // (self.qbs * self.kbs))
         types, hashes, kept = [], [], []
         for lo in range(0, len(coords), per_chunk):

@@ -87,13 +87,13 @@ def _call_row(mask_mod: Callable, b: int, h: int, q, kv, name: str, along: str) 
 
 
 def scalar_block(mask_mod: Callable, b: int, h: int, q0: int, kv0: int, real_rows: int, real_cols: int,
-                 qbs: int, kbs: int, along: str) -> np.ndarray:
+                 qbs: int, kbs: int, along: str, xp: Any = np) -> np.ndarray:
     """One block's element mask ``[qbs, kbs]`` (host bool; positions past the ends False), by rows
-    (``q_idx`` a scalar, ``kv_idx`` the block's real columns) or by columns."""
+    (``q_idx`` a scalar, ``kv_idx`` the block's real columns, an array of ``xp``) or by columns."""
     name = name_of(mask_mod)
     out = np.zeros((qbs, kbs), dtype=bool)
-    cols = np.arange(kv0, kv0 + real_cols, dtype=np.int64)
-    rows = np.arange(q0, q0 + real_rows, dtype=np.int64)
+    cols = xp.asarray(np.arange(kv0, kv0 + real_cols, dtype=np.int64))
+    rows = xp.asarray(np.arange(q0, q0 + real_rows, dtype=np.int64))
     if along == "rows":
         for r in range(real_rows):
             out[r, :real_cols] = _call_row(mask_mod, b, h, _scalar(q0 + r), cols, name, along)
@@ -131,17 +131,20 @@ def scalar_values(mask_mod: Callable, b: int, h: int, q: np.ndarray, kv: np.ndar
 
 class ScalarEvaluator:
     """The scalar mode for one build: picks the call form (rows or columns) on the first block that
-    has real positions, checked against four-scalar calls, then evaluates blocks one by one."""
+    has real positions, checked against four-scalar calls, then evaluates blocks one by one. Index
+    arrays are of ``xp`` (CuPy for a mask_mod whose tables are CuPy arrays), scalars NumPy ints."""
 
-    def __init__(self, mask_mod: Callable, q_len: int, kv_len: int, qbs: int, kbs: int) -> None:
+    def __init__(self, mask_mod: Callable, q_len: int, kv_len: int, qbs: int, kbs: int, xp: Any = np) -> None:
         self.mask_mod, self.q_len, self.kv_len, self.qbs, self.kbs = mask_mod, q_len, kv_len, qbs, kbs
+        self.xp = xp
         self.along: Optional[str] = None
 
     def block(self, b: int, h: int, q0: int, kv0: int) -> np.ndarray:
         real_rows, real_cols = min(self.qbs, self.q_len - q0), min(self.kbs, self.kv_len - kv0)
         if self.along is None:
             return self._choose(b, h, q0, kv0, real_rows, real_cols)
-        return scalar_block(self.mask_mod, b, h, q0, kv0, real_rows, real_cols, self.qbs, self.kbs, self.along)
+        return scalar_block(self.mask_mod, b, h, q0, kv0, real_rows, real_cols, self.qbs, self.kbs, self.along,
+                            self.xp)
 
     def _choose(self, b, h, q0, kv0, real_rows, real_cols) -> np.ndarray:
         name = name_of(self.mask_mod)
@@ -149,7 +152,7 @@ class ScalarEvaluator:
         for along in ("rows", "columns"):
             try:
                 found[along] = scalar_block(self.mask_mod, b, h, q0, kv0, real_rows, real_cols, self.qbs, self.kbs,
-                                            along)
+                                            along, self.xp)
             except MaskError as exc:
                 if not isinstance(exc, BroadcastFailure):
                     raise
