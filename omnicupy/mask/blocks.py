@@ -73,7 +73,9 @@ def block_types(bits, q0, kv0, q_len: int, kv_len: int):
     full = (flat == real_flat).all(axis=1)
     # CAUSAL: each real row r allows the real columns up to its diagonal, kv <= q0 + r. (Only a block
     # the diagonal crosses can be that without being all or nothing, which take precedence.)
-    diagonal = np.clip(q0[:, None] + rows - kv0[:, None] + 1, 0, real_cols) * real_rows
+    diagonal = q0[:, None] + rows - kv0[:, None] + 1
+    np.clip(diagonal, 0, real_cols, out=diagonal)
+    diagonal *= real_rows
     causal = (bits == np.take(prefix, diagonal, axis=0)).reshape(k, -1).all(axis=1)
     return np.select([none, full, causal], [MASKED, FULL, CAUSAL], PARTIAL).astype(np.int8)
 

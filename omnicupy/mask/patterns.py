@@ -39,9 +39,14 @@ def cut_blocks(start: np.ndarray, end: np.ndarray, q0: np.ndarray, kv0: np.ndarr
     the bounds ``start``/``end`` (``[K, qbs]``, any integer type)."""
     kbs = kv_block_size
     k, qbs = start.shape
-    # Runs within the block, in int32 once clipped (the bounds may be any int64).
-    lo = np.clip(start - kv0[:, None], 0, kbs).astype(np.int32)
-    hi = np.clip(end - kv0[:, None], 0, kbs).astype(np.int32)
+    # Runs within the block, in int32 once clipped (the bounds may be any int64). Clipped in place:
+    # a new array per step costs more than the arithmetic at these sizes.
+    lo = np.subtract(start, kv0[:, None], dtype=np.int64)
+    np.clip(lo, 0, kbs, out=lo)
+    lo = lo.astype(np.int32)
+    hi = np.subtract(end, kv0[:, None], dtype=np.int64)
+    np.clip(hi, 0, kbs, out=hi)
+    hi = hi.astype(np.int32)
     rows = np.arange(qbs)
     # Blocks that reach past an end: their runs are cut to the real columns, their rows past q_len emptied.
     tail = np.flatnonzero((kv0 + kbs > kv_len) | (q0 + qbs > q_len))
