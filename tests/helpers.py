@@ -38,6 +38,14 @@ def random_block_mask(rng, Bm, Hm, q_len, kv_len, q_block_size=128, kv_block_siz
     among the active ones (which the kernel must skip)."""
     nqb, nkvb = cdiv(q_len, q_block_size), cdiv(kv_len, kv_block_size)
     grid = rng.choice(4, size=(Bm, Hm, nqb, nkvb), p=probs)
+    # CAUSAL is valid only where the diagonal cuts a block: elsewhere the causal rule makes it FULL
+    # (wholly below the diagonal) or MASKED (wholly above).
+    q_lo = np.arange(nqb)[:, None] * q_block_size
+    kv_lo = np.arange(nkvb)[None, :] * kv_block_size
+    below = np.minimum(kv_lo + kv_block_size, kv_len) - 1 <= q_lo
+    above = kv_lo > np.minimum(q_lo + q_block_size, q_len) - 1
+    grid = np.where((grid == BlockType.CAUSAL) & below, BlockType.FULL, grid)
+    grid = np.where((grid == BlockType.CAUSAL) & above, BlockType.MASKED, grid)
     for b in range(Bm):
         for h in range(Hm):
             grid[b, h, rng.permutation(nqb)[:empty_q_blocks]] = BlockType.MASKED

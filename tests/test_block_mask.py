@@ -13,9 +13,10 @@ def meta(nb, idx, types):
     return np.asarray(nb, np.int32), np.asarray(idx, np.int32), np.asarray(types, np.int32)
 
 
-# One q block and two kv blocks of 128 each: q_len 100, kv_len 200.
+# One q block and two kv blocks of 128 each: q_len 100, kv_len 200. The diagonal cuts kv block 0
+# (CAUSAL there is valid); kv block 1 lies wholly above it.
 GOOD = dict(q_len=100, kv_len=200)
-NB, IDX, TYPES = [[[2]]], [[[[0, 1]]]], [[[[2, 1]]]]
+NB, IDX, TYPES = [[[2]]], [[[[0, 1]]]], [[[[1, 2]]]]
 
 BAD = [
     pytest.param(meta([[[-1]]], IDX, TYPES), GOOD, "negative", id="nb-negative"),
@@ -25,6 +26,13 @@ BAD = [
     pytest.param(meta(NB, [[[[1, 1]]]], TYPES), GOOD, "twice", id="index-repeated"),
     pytest.param(meta(NB, IDX, [[[[2, 7]]]]), GOOD, "block_mask_types", id="type-unknown"),
     pytest.param(meta(NB, IDX, [[[[3, 2]]]]), GOOD, "PARTIAL", id="partial-without-pool"),
+    pytest.param(meta(NB, IDX, [[[[2, 1]]]]), GOOD, "CAUSAL blocks that the diagonal", id="causal-above-diagonal"),
+    pytest.param(meta([[[1, 2]]], [[[[0, 0], [0, 1]]]], [[[[2, 0], [1, 2]]]]), dict(q_len=256, kv_len=256),
+                 "CAUSAL blocks that the diagonal", id="causal-below-diagonal"),
+    pytest.param(meta(NB, IDX, TYPES), dict(q_len=2**31, kv_len=200), "q_len=2147483648 is too long",
+                 id="q-len-past-int32"),
+    pytest.param(meta(NB, IDX, TYPES), dict(q_len=100, kv_len=2**31 - 129), "kv_len=2147483519 is too long",
+                 id="kv-len-past-last-block"),
     pytest.param(meta([[2]], IDX, TYPES), GOOD, "kv_num_blocks must have 3", id="nb-ndim"),
     pytest.param(meta(NB, [[[0, 1]]], TYPES), GOOD, "kv_indices must have 4", id="idx-ndim"),
     pytest.param(meta(NB, IDX, [[[[2, 1, 0]]]]), GOOD, "block_mask_types shape", id="types-shape"),

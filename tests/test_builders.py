@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from omnicupy import BlockMask, arrays, masks
-from omnicupy.mask import builders
+from omnicupy.mask import blocks, builders
 from omnicupy.mask.block_mask import BlockType, cdiv, validate_metadata
+from omnicupy.mask.mask_mod import LookupTable
 from omnicupy.errors import MaskError
 from omnicupy.reference import dense_mask_from_mod
 
@@ -57,7 +58,7 @@ def assert_pool_is_clean(bm: BlockMask) -> None:
         return
     pool = arrays.to_numpy(bm.partial_block_masks)
     assert len(np.unique(pool.reshape(len(pool), -1), axis=0)) == len(pool)
-    hashes = builders._block_hashes(pool, np)
+    hashes = blocks.block_hashes(pool)
     assert np.all(hashes[1:] >= hashes[:-1])
     dense = unpack_pool(bm)
     nb, idx, types, pidx = (arrays.to_numpy(getattr(bm, n)) for n in META[:4])
@@ -202,7 +203,7 @@ def test_nothing_allowed(xp):
 def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch):
     mod = masks.document(masks.doc_ids_from_lengths([37, 100, 3, 90, 70]), causal=False)
     expected = check_mask_mod(mod, None, None, 300, 300, 32, 32)
-    monkeypatch.setattr(builders, "_block_hashes", lambda packed, xp: xp.zeros(len(packed), dtype=np.uint64))
+    monkeypatch.setattr(blocks, "block_hashes", lambda packed, xp=np: np.zeros(len(packed), dtype=np.uint64))
     got = check_mask_mod(mod, None, None, 300, 300, 32, 32)
     np.testing.assert_array_equal(got.to_dense(), expected.to_dense())
     assert got.partial_block_masks.shape == expected.partial_block_masks.shape
@@ -291,6 +292,40 @@ mask_trees = st.recursive(leaves, lambda children: st.one_of(
        B=st.sampled_from([None, 2]), H=st.sampled_from([None, 3]))
 def test_random_mask_mods(mod, q_len, kv_len, qbs, kbs, B, H):
     check_mask_mod(mod, B, H, q_len, kv_len, qbs, kbs)
+
+
+def interval_rows(starts, ends, name):
+    """An exact MaskMod from arbitrary per-row intervals [start, end) (empty where end <= start)."""
+    start, end = LookupTable(np.asarray(starts)), LookupTable(np.asarray(ends))
+
+    def rows(b, h, q_idx, kv_idx):
+        return (kv_idx >= start.lookup(b, q_idx)) & (kv_idx < end.lookup(b, q_idx))
+
+    return masks.MaskMod(rows, name, bounds=lambda b, h, q: (start.lookup(b, q), end.lookup(b, q)),
+                         length=len(starts))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), q_len=st.integers(1, 300), kv_len=st.integers(1, 300),
+       qbs=st.sampled_from([16, 32, 64]), kbs=st.sampled_from([32, 64, 128]),
+       style=st.sampled_from(["random", "diagonal", "bands", "empty-rows"]))
+def test_exact_row_intervals(seed, q_len, kv_len, qbs, kbs, style):
+    """Cut blocks filled from the row bounds (no evaluation) equal the evaluated ones, whatever the
+    intervals: random, ending at the diagonal (CAUSAL candidates), bands, rows with nothing."""
+    rng = np.random.default_rng(seed)
+    n = max(q_len, kv_len)
+    q = np.arange(n)
+    if style == "random":
+        a, b = rng.integers(-5, n + 5, (2, n))
+        starts, ends = np.minimum(a, b), np.maximum(a, b)
+    elif style == "diagonal":
+        starts, ends = np.where(rng.random(n) < 0.8, 0, rng.integers(0, n, n)), q + 1
+    elif style == "bands":
+        width = rng.integers(1, 100)
+        starts, ends = q - width + 1 + rng.integers(-2, 3), q + rng.integers(-2, 40)
+    else:
+        starts, ends = rng.integers(0, n, n), rng.integers(0, n, n)  # often end <= start: nothing
+    check_mask_mod(interval_rows(starts, ends, f"rows_{style}_{seed}"), None, None, q_len, kv_len, qbs, kbs)
 
 
 # --------------------------------------------------------------------------------- from_dense
@@ -394,7 +429,10 @@ def test_builders_emit_valid_metadata_and_features(factory, use_structure):
                                 mask_mod=bm.mask_mod)
     for built in (bm, again):
         metadata = [getattr(built, name) for name in META]
-        assert validate_metadata(*metadata, num_kv_blocks=built.num_kv_blocks) == built.features
+        features, summary = validate_metadata(*metadata, q_len=300, kv_len=333, q_block_size=64, kv_block_size=64)
+        assert features == built.features
+        assert summary.counts == built.summary.counts
+        np.testing.assert_array_equal(summary.q_block_work, built.q_block_work)
         assert built.features.partial == (built.partial_block_masks is not None)
 
 
@@ -417,7 +455,9 @@ def test_inspection_of_an_interleaved_mask():
                                         "#####\\..", "######\\.", "#######\\"])
     assert bm.sparsity() == pytest.approx(100 * 22 / 64)
     assert "full=62, causal=8, partial=14, pool=5" in repr(bm)  # counts over both batch rows
-    assert bm.to_string(max_blocks=2) == "\\.\n#+\n(showing 2x2 of 8x8 blocks)"
+    # Two characters wide: each one a square of 4x4 blocks (13, 3, 16 and 10 of 16 visited).
+    picture = bm.to_string(width=2).splitlines()
+    assert picture[:2] == ["82", "#6"] and picture[2].startswith("(8x8 blocks, 4x4 per character")
 
 
 # --------------------------------------------------------------------------------- validation

@@ -11,10 +11,10 @@ from omnicupy.mask.block_mask import BlockType
 
 
 def test_work_weights_by_block_type():
-    # one q block row: a FULL and a CAUSAL entry, then an entry past the row's count
+    # one q block row: a FULL and a CAUSAL entry (which the diagonal cuts), then an entry past the row's count
     types = np.array([[[[BlockType.FULL, BlockType.CAUSAL, BlockType.MASKED]]]], dtype=np.int32)
     bm = BlockMask(np.array([[[2]]], dtype=np.int32), np.array([[[[0, 1, 0]]]], dtype=np.int32), types,
-                   q_len=128, kv_len=256)
+                   q_len=256, kv_len=256, q_block_size=256)
     assert schedule.q_block_work(bm).tolist() == [2 + 1]
 
 

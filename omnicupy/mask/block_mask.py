@@ -4,8 +4,13 @@ A BlockMask lists, for every (batch, head, q block), which kv blocks to visit an
 each needs: CAUSAL (element rule ``q_idx >= kv_idx``), FULL (none) or PARTIAL (a bit-packed
 element mask from a deduplicated pool). Blocks not listed are skipped without a load.
 
-Arrays may live on the host (NumPy) or the device (CuPy); validation runs where they live, and
-``attention()`` keeps a cached contiguous int32 device copy.
+A BlockMask owns what it validated: arrays passed in are copied (NumPy copies are read-only), so
+changing the caller's arrays afterwards cannot reach a kernel. Validation runs where the arrays
+live (NumPy or CuPy: one reduction and one small transfer back) and also yields a summary (block
+counts per type, the work of each q block) that inspection and the launch order read without
+touching the metadata again. Inspection (``repr``, ``sparsity``, ``to_string``) takes memory in
+proportion to the listed blocks, never to the nQB x nKVB grid. This module knows the layout and
+its rules; the builders (builders.py) know how masks become metadata.
 """
 from __future__ import annotations
 
@@ -17,7 +22,13 @@ import numpy as np
 from .. import arrays
 from ..checks import check_int
 from ..errors import MaskError
-from .types import BLOCK_CHARS, KV_BLOCK_MULTIPLE, Q_BLOCK_MULTIPLE, BlockType, MaskFeatures, cdiv
+from . import display
+from .types import (KV_BLOCK_MULTIPLE, PARTIAL_WORD_BITS, Q_BLOCK_MULTIPLE, WORK_WEIGHTS, BlockType, MaskFeatures,
+                    cdiv, max_length)
+
+#: ``block_grid`` and ``to_dense`` build dense arrays; past these sizes they refuse.
+MAX_GRID_ENTRIES = 1 << 28
+MAX_DENSE_ELEMENTS = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -38,8 +49,60 @@ class DeviceMetadata:
     row_stride_head: int
 
 
+@dataclass(frozen=True)
+class MaskSummary:
+    """What inspection and scheduling need, over the mask's whole (broadcast) shape.
+
+    ``counts[t]``: how many (batch, head, q block, kv block) pairs have BlockType t (MASKED counts
+    the pairs not visited, listed or not). ``q_block_work``: ``[nQB]`` int64, per q block the sum
+    over batch, heads and listed blocks of ``WORK_WEIGHTS[type]``."""
+
+    counts: tuple[int, int, int, int]
+    q_block_work: np.ndarray
+
+    @property
+    def visited(self) -> int:
+        return sum(self.counts[1:])
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """The listed blocks as runs, when a builder knows them (host, O(runs)): run i is ``length[i]``
+    blocks of type ``kind[i]`` from kv block ``kv[i]`` on, in row ``row[i]`` of the stored grid
+    ``[Bs, Hs, nQB]`` (flattened). Inspection reads these instead of the metadata's slots."""
+
+    grid: tuple[int, int, int]
+    row: np.ndarray
+    kv: np.ndarray
+    length: np.ndarray
+    kind: np.ndarray
+
+    def of(self, batch: int, head: int) -> tuple[np.ndarray, ...]:
+        """(q block, kv, length, kind) of the rows of (batch, head) (broadcast dims: their one row)."""
+        bs, hs, nqb = self.grid
+        first = ((batch if bs > 1 else 0) * hs + (head if hs > 1 else 0)) * nqb
+        lo, hi = np.searchsorted(self.row, [first, first + nqb])
+        return self.row[lo:hi] - first, self.kv[lo:hi], self.length[lo:hi], self.kind[lo:hi]
+
+
 def _check_positive_int(value: Any, name: str, multiple: int = 1) -> int:
     return check_int(value, name, minimum=1, multiple=multiple, error=MaskError)
+
+
+def check_sizes(q_len: Any, kv_len: Any, q_block_size: Any = 128, kv_block_size: Any = 128) -> tuple[int, int, int, int]:
+    """Lengths and block sizes as ints, checked against what the kernels can index (before any
+    allocation: a length the int32 metadata cannot hold is refused here, not by a MemoryError)."""
+    qbs = _check_positive_int(q_block_size, "q_block_size", Q_BLOCK_MULTIPLE)
+    kbs = _check_positive_int(kv_block_size, "kv_block_size", KV_BLOCK_MULTIPLE)
+    lengths = []
+    for name, value, block, block_name in (("q_len", q_len, qbs, "q_block_size"), ("kv_len", kv_len, kbs, "kv_block_size")):
+        n = _check_positive_int(value, name)
+        if n > max_length(block):
+            raise MaskError(f"{name}={n} is too long: positions are 32-bit ints in the kernels and the block metadata, "
+                            f"so with {block_name}={block} {name} can be at most {max_length(block)} (2**31 less two "
+                            "blocks)")
+        lengths.append(n)
+    return lengths[0], lengths[1], qbs, kbs
 
 
 def _as_index_array(x: Any, name: str, ndim: int, *, unsigned: bool = False):
@@ -65,12 +128,28 @@ def _as_index_array(x: Any, name: str, ndim: int, *, unsigned: bool = False):
     return x
 
 
+def owned_copy(a: Any):
+    """A copy of ``a`` that nobody else holds (NumPy: read-only). Dims broadcast by a zero stride
+    stay broadcast: their one stored row is copied, not the broadcast."""
+    if a is None:
+        return None
+    xp = arrays.array_namespace(a)
+    stored = tuple(slice(0, 1) if n > 1 and s == 0 else slice(None) for n, s in zip(a.shape, a.strides))
+    compact = xp.array(a[stored], copy=True)
+    if xp is np:
+        compact.flags.writeable = False
+    return compact if compact.shape == a.shape else xp.broadcast_to(compact, a.shape)
+
+
 class BlockMask:
     """Block-sparse attention mask in flex-attention's layout plus a per-block type.
 
     Parameters mirror docs/design.md, "Block mask metadata". ``Bm`` and ``Hm`` (the first two dims) may be 1 to broadcast
     over batch and heads. ``mask_mod``, when known, is remembered so the reference and fused
-    kernels can use the element rule directly.
+    kernels can use the element rule directly. The arrays are copied (see the module's docstring).
+
+    ``q_block_work`` (``[nQB]`` int64 NumPy, read-only) is the estimated cost of each q block,
+    known without reading the metadata back from the device.
     """
 
     def __init__(
@@ -87,29 +166,40 @@ class BlockMask:
         partial_block_masks: Any = None,
         mask_mod: Optional[Callable] = None,
         _features: Optional[MaskFeatures] = None,
+        _summary: Optional[MaskSummary] = None,
+        _runs: Optional[RowRuns] = None,
     ) -> None:
-        self.q_len = _check_positive_int(q_len, "q_len")
-        self.kv_len = _check_positive_int(kv_len, "kv_len")
-        self.q_block_size = _check_positive_int(q_block_size, "q_block_size", Q_BLOCK_MULTIPLE)
-        self.kv_block_size = _check_positive_int(kv_block_size, "kv_block_size", KV_BLOCK_MULTIPLE)
-        self.kv_num_blocks = _as_index_array(kv_num_blocks, "kv_num_blocks", 3)
-        self.kv_indices = _as_index_array(kv_indices, "kv_indices", 4)
-        self.block_mask_types = _as_index_array(block_mask_types, "block_mask_types", 4)
-        self.partial_block_mask_indices = (
-            None
-            if partial_block_mask_indices is None
-            else _as_index_array(partial_block_mask_indices, "partial_block_mask_indices", 4)
-        )
-        self.partial_block_masks = (
-            None
-            if partial_block_masks is None
-            else _as_index_array(partial_block_masks, "partial_block_masks", 3, unsigned=True)
-        )
+        self.q_len, self.kv_len, self.q_block_size, self.kv_block_size = check_sizes(q_len, kv_len, q_block_size,
+                                                                                     kv_block_size)
+        given = [
+            _as_index_array(kv_num_blocks, "kv_num_blocks", 3),
+            _as_index_array(kv_indices, "kv_indices", 4),
+            _as_index_array(block_mask_types, "block_mask_types", 4),
+            None if partial_block_mask_indices is None
+            else _as_index_array(partial_block_mask_indices, "partial_block_mask_indices", 4),
+            None if partial_block_masks is None
+            else _as_index_array(partial_block_masks, "partial_block_masks", 3, unsigned=True),
+        ]
+        trusted = _features is not None and _summary is not None  # made by a builder, for this mask only
+        if not trusted:
+            given = [owned_copy(a) for a in given]
+        (self.kv_num_blocks, self.kv_indices, self.block_mask_types, self.partial_block_mask_indices,
+         self.partial_block_masks) = given
         self.mask_mod = mask_mod
+        self._runs = _runs if trusted else None
         self._device_cache: dict[int, DeviceMetadata] = {}
         self._tile_orders: dict = {}  # dispatch/schedule.launch_order per tile height, device copies
         self._recipes: dict = {}  # ops/forward.py: steady-state launches per call signature
-        self.features = self._validate(_features)
+        self._check_shapes()
+        if trusted:
+            self.features, self.summary = _features, _summary
+        else:
+            self.features, self.summary = validate_metadata(*given, q_len=self.q_len, kv_len=self.kv_len,
+                                                            q_block_size=self.q_block_size,
+                                                            kv_block_size=self.kv_block_size)
+        work = np.array(self.summary.q_block_work, dtype=np.int64)
+        work.flags.writeable = False
+        self.q_block_work = work
 
     # ------------------------------------------------------------------ shape
     @property
@@ -139,9 +229,7 @@ class BlockMask:
         return arrays.is_cupy(self.kv_indices)
 
     # ------------------------------------------------------------- validation
-    def _validate(self, features: Optional[MaskFeatures] = None) -> MaskFeatures:
-        """Shape checks, then value checks unless ``features`` is given: only the builders pass it,
-        for metadata valid by construction, whose value checks would cost reductions and a sync."""
+    def _check_shapes(self) -> None:
         nb, idx, types = self.kv_num_blocks, self.kv_indices, self.block_mask_types
         pidx, pool = self.partial_block_mask_indices, self.partial_block_masks
         bm, hm, nqb = (int(s) for s in nb.shape)
@@ -161,7 +249,7 @@ class BlockMask:
                 f"partial_block_mask_indices shape {tuple(pidx.shape)} must equal kv_indices shape {tuple(idx.shape)}"
             )
         if pool is not None:
-            want = (self.q_block_size, self.kv_block_size // 32)
+            want = (self.q_block_size, self.kv_block_size // PARTIAL_WORD_BITS)
             if tuple(pool.shape[1:]) != want:
                 raise MaskError(
                     f"partial_block_masks must have shape [P, {want[0]}, {want[1]}] "
@@ -172,11 +260,6 @@ class BlockMask:
         modules = {arrays.array_namespace(a).__name__ for a in (nb, idx, types, pidx, pool) if a is not None}
         if len(modules) > 1:
             raise MaskError("block mask arrays must all live on the host (NumPy) or all on the device (CuPy)")
-        if features is not None:
-            return features
-        return validate_metadata(
-            nb, idx, types, pidx, pool, num_kv_blocks=self.num_kv_blocks
-        )
 
     # ----------------------------------------------------------------- device
     def device_metadata(self) -> DeviceMetadata:
@@ -198,6 +281,8 @@ class BlockMask:
                     return None
                 a = a[keep] if per_batch_head else a
                 if not arrays.is_cupy(a):
+                    # Host arrays may be strided views (the compact causal rows): made contiguous
+                    # here, on the host, so that the device needs no copy kernel.
                     return cp.asarray(np.ascontiguousarray(a, dtype=dtype), blocking=False)
                 return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
 
@@ -216,8 +301,16 @@ class BlockMask:
         return cached
 
     # ------------------------------------------------------------ inspection
+    def _num_pairs(self) -> int:
+        bm, hm = self.shape[:2]
+        return bm * hm * self.num_q_blocks * self.num_kv_blocks
+
     def block_grid(self) -> np.ndarray:
-        """Block types as a dense ``[Bm, Hm, nQB, nKVB]`` int8 NumPy grid (MASKED where unlisted)."""
+        """Block types as a dense ``[Bm, Hm, nQB, nKVB]`` int8 NumPy grid (MASKED where unlisted).
+        For small masks (tests, plots): refused past ``MAX_GRID_ENTRIES`` pairs."""
+        if self._num_pairs() > MAX_GRID_ENTRIES:
+            raise MaskError(f"block_grid() would hold {self._num_pairs()} entries (more than {MAX_GRID_ENTRIES}); "
+                            "use sparsity(), to_string() or the metadata rows instead")
         nb = arrays.to_numpy(self.kv_num_blocks)
         idx = arrays.to_numpy(self.kv_indices)
         types = arrays.to_numpy(self.block_mask_types)
@@ -229,14 +322,20 @@ class BlockMask:
         return grid
 
     def to_dense(self) -> np.ndarray:
-        """The element-level mask ``[Bm, Hm, q_len, kv_len]`` (bool, NumPy) this metadata encodes."""
+        """The element-level mask ``[Bm, Hm, q_len, kv_len]`` (bool, NumPy) this metadata encodes.
+        For small masks: refused past ``MAX_DENSE_ELEMENTS`` elements."""
+        bm, hm = self.shape[:2]
+        qbs, kbs = self.q_block_size, self.kv_block_size
+        elements = bm * hm * self.num_q_blocks * qbs * self.num_kv_blocks * kbs
+        if elements > MAX_DENSE_ELEMENTS:
+            raise MaskError(f"to_dense() would hold {elements} elements (more than {MAX_DENSE_ELEMENTS}); it is for "
+                            "small masks")
         nb = arrays.to_numpy(self.kv_num_blocks)
         idx = arrays.to_numpy(self.kv_indices)
         types = arrays.to_numpy(self.block_mask_types)
         pidx = None if self.partial_block_mask_indices is None else arrays.to_numpy(self.partial_block_mask_indices)
         pool = None if self.partial_block_masks is None else arrays.to_numpy(self.partial_block_masks)
-        qbs, kbs = self.q_block_size, self.kv_block_size
-        bm, hm, nqb, maxb = idx.shape
+        nqb, maxb = idx.shape[2:]
         dense = np.zeros((bm, hm, nqb * qbs, self.num_kv_blocks * kbs), dtype=bool)
         q_local = np.arange(qbs)[:, None]
         kv_local = np.arange(kbs)[None, :]
@@ -259,21 +358,20 @@ class BlockMask:
 
     def sparsity(self) -> float:
         """Percent of (q block, kv block) pairs skipped, flex-attention's definition."""
-        grid = self.block_grid()
-        return 100.0 * (1.0 - np.count_nonzero(grid) / grid.size)
+        return 100.0 * (1.0 - self.summary.visited / self._num_pairs())
 
-    def to_string(self, batch: int = 0, head: int = 0, max_blocks: int = 64) -> str:
-        """One character per block: '#' full, '\\' causal, '+' partial, '.' masked."""
-        grid = self.block_grid()[min(batch, self.shape[0] - 1), min(head, self.shape[1] - 1)]
-        shown = grid[:max_blocks, :max_blocks]
-        lines = ["".join(BLOCK_CHARS[BlockType(int(t))] for t in row) for row in shown]
-        if shown.shape != grid.shape:
-            lines.append(f"(showing {shown.shape[0]}x{shown.shape[1]} of {grid.shape[0]}x{grid.shape[1]} blocks)")
-        return "\n".join(lines)
+    def to_string(self, batch: int = 0, head: int = 0, width: int = 64) -> str:
+        """One character per block: '#' full, '\\' causal, '+' partial, '.' masked; when the grid is
+        wider or taller than ``width`` blocks, one character per square of blocks (see
+        ``display.picture``). Reads one (batch, head)'s rows a chunk at a time."""
+        width = check_int(width, "width", minimum=1, error=MaskError)
+        b, h = min(batch, self.shape[0] - 1), min(head, self.shape[1] - 1)
+        runs = None if self._runs is None else self._runs.of(b, h)
+        return display.picture(self.kv_num_blocks[b, h], self.kv_indices[b, h], self.block_mask_types[b, h],
+                               self.num_kv_blocks, width, runs=runs)
 
     def __repr__(self) -> str:
-        grid = self.block_grid()
-        counts = {t.name.lower(): int(np.count_nonzero(grid == t)) for t in BlockType if t != BlockType.MASKED}
+        counts = dict(zip((t.name.lower() for t in BlockType), self.summary.counts))
         pool = 0 if self.partial_block_masks is None else int(self.partial_block_masks.shape[0])
         where = "cupy" if self.on_device else "numpy"
         return (
@@ -290,7 +388,7 @@ class BlockMask:
         """Build from a dense block-type grid ``[Bm, Hm, nQB, nKVB]`` (values of BlockType).
 
         Non-masked blocks are listed in increasing kv order. ``partial_grid`` gives each PARTIAL
-        block's index into ``partial_block_masks``.
+        block's index into ``partial_block_masks``. For small grids (it sorts every row).
         """
         grid = np.asarray(arrays.to_numpy(grid))
         if grid.ndim != 4:
@@ -313,16 +411,32 @@ class BlockMask:
                    partial_block_masks=partial_block_masks, mask_mod=mask_mod)
 
 
-def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> MaskFeatures:
-    """Value checks on the metadata, run where the arrays live (one small reduction on the device,
-    a single transfer of a handful of flags back). Returns which block types occur."""
+def causal_band(q_block: Any, kv_block: Any, q_len: int, kv_len: int, q_block_size: int, kv_block_size: int, xp=np):
+    """Where a CAUSAL block is valid (element-wise over the broadcast block indices): the causal rule
+    ``q_idx >= kv_idx`` cuts it, within real positions (q < q_len, kv < kv_len): some real element
+    lies at or below the diagonal (the first kv position <= the last q) and some above it (the
+    first q position < the last kv). A block wholly below is FULL, wholly above is MASKED."""
+    q_lo = xp.asarray(q_block).astype(np.int64) * q_block_size
+    kv_lo = xp.asarray(kv_block).astype(np.int64) * kv_block_size
+    q_hi = xp.minimum(q_lo + q_block_size, q_len) - 1
+    kv_hi = xp.minimum(kv_lo + kv_block_size, kv_len) - 1
+    return (kv_lo <= q_hi) & (q_lo < kv_hi)
+
+
+def validate_metadata(nb, idx, types, pidx, pool, *, q_len: int, kv_len: int, q_block_size: int,
+                      kv_block_size: int) -> tuple[MaskFeatures, MaskSummary]:
+    """Value checks on the metadata, run where the arrays live (one reduction on the device, one
+    transfer of a handful of flags, the block counts and the q blocks' work back). Returns which
+    block types occur and the summary (``MaskSummary``)."""
     xp = arrays.array_namespace(idx)
+    num_kv_blocks = cdiv(kv_len, kv_block_size)
     # Plain ints: CuPy's ufuncs do not accept IntEnum operands.
     causal, partial = int(BlockType.CAUSAL), int(BlockType.PARTIAL)
-    maxb = int(idx.shape[3])
+    nqb, maxb = int(idx.shape[2]), int(idx.shape[3])
     slots = xp.arange(maxb, dtype=np.int32)
     active = slots[None, None, None, :] < nb[..., None]
-    is_partial = active & (types == partial)
+    listed = xp.where(active, types, 0)  # entries past a row's count may hold anything
+    is_partial = listed == partial
     # Duplicates: give inactive slots distinct out-of-range values; rows that already increase
     # strictly (what the builders emit) have none, and only otherwise is each row sorted.
     keyed = xp.where(active, idx, num_kv_blocks + slots[None, None, None, :])
@@ -331,18 +445,25 @@ def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> Mask
     else:
         dup = xp.zeros((), dtype=bool)
     npool = 0 if pool is None else int(pool.shape[0])
+    q_block = xp.arange(nqb, dtype=np.int64)[:, None]
+    off_band = (listed == causal) & ~causal_band(q_block, idx, q_len, kv_len, q_block_size, kv_block_size, xp)
     checks = [
         xp.any(nb < 0),
         xp.any(nb > maxb),
         xp.any(active & ((idx < 0) | (idx >= num_kv_blocks))),
-        xp.any(active & ((types < 0) | (types > partial))),
+        xp.any((listed < 0) | (listed > partial)),
         dup,
-        xp.any(active & (types == causal)),
+        xp.any(off_band),
+        xp.any(listed == causal),
         xp.any(is_partial),
         xp.any(is_partial & ((pidx < 0) | (pidx >= npool))) if pidx is not None else xp.zeros((), dtype=bool),
     ]
-    flags = arrays.to_numpy(xp.stack([xp.asarray(c) for c in checks]))
-    nb_neg, nb_big, idx_bad, type_bad, dup, has_causal, has_partial, pidx_bad = (bool(f) for f in flags)
+    counts = [xp.count_nonzero(listed == int(t)) for t in (BlockType.CAUSAL, BlockType.FULL, BlockType.PARTIAL)]
+    weights = xp.asarray(np.array(WORK_WEIGHTS, dtype=np.int64))
+    work = weights[xp.clip(listed, 0, partial)].sum(axis=(0, 1, 3))
+    found = arrays.to_numpy(xp.concatenate([xp.stack([xp.asarray(c) for c in checks + counts]).astype(np.int64),
+                                            work.astype(np.int64)]))
+    nb_neg, nb_big, idx_bad, type_bad, dup, off_band, has_causal, has_partial, pidx_bad = (bool(f) for f in found[:9])
     if nb_neg:
         raise MaskError("kv_num_blocks has negative entries")
     if nb_big:
@@ -353,11 +474,19 @@ def validate_metadata(nb, idx, types, pidx, pool, *, num_kv_blocks: int) -> Mask
         raise MaskError("block_mask_types has active entries outside {0 MASKED, 1 CAUSAL, 2 FULL, 3 PARTIAL}")
     if dup:
         raise MaskError("kv_indices lists the same kv block twice in one row; each block may appear once")
+    if off_band:
+        raise MaskError("block_mask_types has CAUSAL blocks that the diagonal q_idx == kv_idx does not cut: a CAUSAL "
+                        "block must hold real positions both at or below the diagonal and above it (a block wholly "
+                        "below it is FULL, one wholly above it is not listed, or MASKED)")
     if has_partial and pidx is None:
         raise MaskError("block_mask_types has PARTIAL blocks but no partial_block_mask_indices/partial_block_masks")
     if pidx_bad:
         raise MaskError(f"partial_block_mask_indices has PARTIAL entries outside [0, {npool}) (the pool size)")
-    return MaskFeatures(causal=has_causal, partial=has_partial)
+    visited = [int(c) for c in found[9:12]]
+    total = int(np.prod(idx.shape[:3])) * num_kv_blocks
+    summary = MaskSummary(counts=(total - sum(visited), *visited), q_block_work=found[12:])
+    return MaskFeatures(causal=has_causal, partial=has_partial), summary
 
 
-__all__ = ["BlockMask", "BlockType", "MaskFeatures", "DeviceMetadata", "cdiv", "validate_metadata"]
+__all__ = ["BlockMask", "BlockType", "MaskFeatures", "MaskSummary", "RowRuns", "DeviceMetadata", "cdiv", "validate_metadata",
+           "check_sizes", "causal_band", "owned_copy"]

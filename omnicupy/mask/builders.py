@@ -1,25 +1,34 @@
-"""Builders of BlockMask metadata (docs/design.md): from a mask_mod, a dense mask, flex-attention's arrays.
+"""Builders of BlockMask metadata (docs/design.md): from a mask_mod, a dense mask, flex-attention's arrays,
+and the causal / full rules.
 
-All three end the same way, from block rows given as runs: for each (b, h, q block), from kv block
-``first`` on, runs of blocks of one type, some EVALUATE. For a mask_mod with known structure a row is
-four runs around the allowed keys, in which only the blocks an interval end cuts are EVALUATE
-(``MaskMod.block_runs``); for an opaque one every block is; for flex, the blocks it calls partial.
-Those are classified by evaluating the mask_mod on their elements; partial blocks are bit-packed and
-deduplicated into the pool; the rows are laid out in flex's layout.
+All of them describe the rows as items (layout.py): runs of blocks of one type, in which some
+blocks are still to be classified (EVALUATE). Where those come from:
 
-Where the work runs: the host works per run and per evaluated block (O(nQB + cut blocks) for a
-structured mask, with NumPy, where each step costs microseconds), never per slot of the
-[nQB, maxB] layout. The array module ``xp`` (CuPy on the GPU when one is usable) does everything
-per element or per slot: it evaluates the EVALUATE blocks (chunk by chunk, so that peak memory stays
-bounded whatever N is), classifies and hashes them, gathers the pool, and writes the layout from
-one small table per build. Per build on a device: one transfer of the blocks' coordinates, per chunk
-one transfer of their types and hashes back, one of pool indices (and one flag back when some blocks
-share a hash), one of the layout's table; no array of the metadata's size crosses the bus.
+- a MaskMod with exact row bounds (the built-in masks but dilated windows and or/not
+  combinations): the bounds give each row's window of kv blocks, which of them are FULL or CAUSAL,
+  and, for the few blocks an interval end cuts, their element masks as one run of columns per
+  row (patterns.py). The mask_mod is never called;
+- a MaskMod with inexact bounds: the windows rule blocks out; the blocks in them are evaluated;
+- any other mask_mod, a dense mask, flex's partial blocks: every block is evaluated.
+
+Evaluated blocks are called in chunks (so that peak memory stays bounded whatever N is) through
+the broadcast contract, or the scalar mode for mask_mods written for flex's vmap (evaluate.py);
+their elements are bit-packed, typed and hashed; PARTIAL ones are deduplicated into the pool
+(blocks.py). The layout is written from the segments of the rows (layout.py).
+
+Where the work runs: the host works per q block, per run and per cut block (NumPy: O(N) for the
+bounds, O(cut blocks x q_block_size) for their patterns), never per slot of the [nQB, maxB]
+layout unless the arrays are NumPy. On a device (``xp`` CuPy) only omnicupy's own kernels run
+(kernels.py: compiled through omnicupy.jit and covered by ``omnicupy precompile``), plus the CuPy
+operations of a mask_mod that must be evaluated element by element. A structured build on the
+device is one upload of a table, one upload of the pool and one layout kernel: no wait for the
+device. An evaluated build waits once per chunk for the blocks' types and hashes, and once for
+the check that blocks with equal hashes are equal.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
+import logging
 import warnings
 import weakref
 from typing import Any, Callable, Optional
@@ -28,12 +37,17 @@ import numpy as np
 
 from .. import arrays
 from ..errors import MaskError
-from . import zoo
-from .block_mask import BlockMask, _as_index_array, _check_positive_int
-from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, LookupTable, MaskMod
-from .types import KV_BLOCK_MULTIPLE, Q_BLOCK_MULTIPLE, BlockType, MaskFeatures, cdiv
+from . import blocks, evaluate, zoo
+from .block_mask import BlockMask, MaskSummary, RowRuns, _as_index_array, _check_positive_int, check_sizes
+from .evaluate import BroadcastFailure, ScalarEvaluator
+from .kernels import Backend, backend_for, precompile_specs
+from .layout import Items, device_table, items_from_runs, segments_of, summary_of, write_host
+from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, MaskMod, check_mask_mod, name_of
+from .patterns import PatternPool, cut_blocks
+from .types import PARTIAL_WORD_BITS, BlockType, MaskFeatures, cdiv
 
 PARTIAL = int(BlockType.PARTIAL)
+logger = logging.getLogger("omnicupy.mask")
 
 #: Elements evaluated at once (one chunk of blocks) on the host. The chunk's int64 temporaries
 #: inside a mask_mod take 8 bytes per element, so this bounds the builders' peak memory near 100 MB.
@@ -43,11 +57,12 @@ CHUNK_ELEMENTS = 1 << 22
 #: 512 MB at most.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 
-_ALL_BITS = np.uint32(0xFFFFFFFF)
-
 #: mask_mods that took CuPy arrays once: ``_evaluation_module`` probes each only once (its probe
 #: is a handful of kernel launches, as many as a small build's whole evaluation).
 _TAKES_DEVICE_ARRAYS: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+#: mask_mods whose broadcast results matched per-element calls once (see ``_check_elementwise``).
+_ELEMENTWISE: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+_said_cupy_compiles = False
 
 
 def default_array_module():
@@ -67,24 +82,41 @@ def _evaluation_module(mask_mod: Callable, xp: Any):
     try:
         mask_mod(zero, zero, zero, zero)
     except TypeError as exc:
-        warnings.warn(f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!s} does not take CuPy arrays ({exc}); "
+        warnings.warn(f"mask_mod {name_of(mask_mod)} does not take CuPy arrays ({exc}); "
                       "evaluating it with NumPy on the host, which is slower. Index CuPy copies of its tables "
                       "(xp.asarray) to build on the GPU.", stacklevel=4)
         return np
+    except Exception:  # noqa: BLE001 - not a question of where: the evaluation reports it, with the contract
+        return xp
     with contextlib.suppress(TypeError):
         _TAKES_DEVICE_ARRAYS.add(mask_mod)
     return xp
 
 
-def _check_sizes(q_len, kv_len, q_block_size, kv_block_size) -> tuple[int, int, int, int]:
-    return (_check_positive_int(q_len, "q_len"), _check_positive_int(kv_len, "kv_len"),
-            _check_positive_int(q_block_size, "q_block_size", Q_BLOCK_MULTIPLE),
-            _check_positive_int(kv_block_size, "kv_block_size", KV_BLOCK_MULTIPLE))
+def _is_known_elementwise(mask_mod: Callable) -> bool:
+    from .expressions import CudaExpr  # an expression runs as an elementwise kernel
+
+    if getattr(mask_mod, "pointwise", False) or isinstance(getattr(mask_mod, "cuda", None), CudaExpr):
+        return True
+    with contextlib.suppress(TypeError):
+        return mask_mod in _ELEMENTWISE
+    return False
 
 
+# ---------------------------------------------------------------------------------- the rules
 def full(q_len: int, kv_len: int, *, q_block_size: int = 128, kv_block_size: int = 128) -> BlockMask:
-    """Every query attends to every key."""
-    return _from_block_rule(*_check_sizes(q_len, kv_len, q_block_size, kv_block_size), causal=False)
+    """Every query attends to every key. Its rows are all alike: stored once, broadcast (O(nKVB))."""
+    q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+    row = np.arange(nkvb, dtype=np.int32)
+    nb = np.broadcast_to(np.int32(nkvb), (1, 1, nqb))
+    idx = np.broadcast_to(row, (1, 1, nqb, nkvb))
+    types = np.broadcast_to(np.int32(BlockType.FULL), (1, 1, nqb, nkvb))
+    summary = MaskSummary(counts=(0, 0, nqb * nkvb, 0), q_block_work=np.full(nqb, 2 * nkvb, dtype=np.int64))
+    q = np.arange(nqb)
+    runs = RowRuns((1, 1, nqb), q, np.zeros(nqb, np.int64), np.full(nqb, nkvb), np.full(nqb, int(BlockType.FULL)))
+    return BlockMask(nb, idx, types, q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
+                     _features=MaskFeatures(causal=False, partial=False), _summary=summary, _runs=runs)
 
 
 def causal(q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size: int = 128,
@@ -92,77 +124,111 @@ def causal(q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size:
     """``q_idx >= kv_idx`` (top-left aligned, flex-attention's convention), or with
     ``bottom_right`` ``q_idx + kv_len - q_len >= kv_idx`` (the last query sees the last key,
     FlashAttention-2's convention for prefill against a KV cache)."""
-    q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
     offset = kv_len - q_len if bottom_right else 0
     if offset == 0:
-        return _from_block_rule(q_len, kv_len, qbs, kbs, causal=True)
+        return _causal_rule(q_len, kv_len, qbs, kbs)
     # The shifted diagonal is not the CAUSAL block pattern: its blocks become PARTIAL, built by
     # the structured path (and evaluable in the kernel from the mask's expression).
     return from_mask_mod(zoo.causal(offset), None, None, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs)
 
 
-def _from_block_rule(q_len: int, kv_len: int, q_block_size: int, kv_block_size: int, *, causal: bool) -> BlockMask:
-    nqb, nkvb = cdiv(q_len, q_block_size), cdiv(kv_len, kv_block_size)
-    q_lo = np.arange(nqb)[:, None] * q_block_size
-    q_hi = np.minimum(q_lo + q_block_size, q_len) - 1
-    kv_lo = np.arange(nkvb)[None, :] * kv_block_size
-    kv_hi = np.minimum(kv_lo + kv_block_size, kv_len) - 1
-    if causal:
-        types = np.where(q_lo >= kv_hi, BlockType.FULL, np.where(q_hi >= kv_lo, BlockType.CAUSAL, BlockType.MASKED))
+def _causal_rule(q_len: int, kv_len: int, qbs: int, kbs: int) -> BlockMask:
+    """The causal rows computed arithmetically, O(nQB + maxB) on the host: row q lists kv blocks
+    0 .. count-1 in order, the first ``full`` of them FULL and the rest CAUSAL. ``kv_indices`` is one
+    broadcast row; ``block_mask_types`` one row read at a shifting offset (a strided view) when the
+    FULL run grows by the same number of blocks from row to row (kv_block_size divides
+    q_block_size and the ends allow it), else written out."""
+    nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+    q_lo = np.arange(nqb, dtype=np.int64) * qbs
+    q_hi = np.minimum(q_lo + qbs, q_len) - 1
+    count = np.minimum(q_hi // kbs + 1, nkvb)
+    full_count = np.where(kv_len - 1 <= q_lo, nkvb, np.minimum((q_lo + 1) // kbs, nkvb))
+    maxb = int(count.max())
+    step = qbs // kbs if qbs % kbs == 0 else None
+    has_causal = count > full_count
+    linear = (step is not None and np.array_equal(full_count[has_causal], step * np.arange(nqb)[has_causal])
+              and bool(np.all(count[~has_causal] <= step * np.arange(nqb)[~has_causal])))
+    if linear:
+        # types[q, s] = base[shift + s - step * q]: FULL before `shift`, CAUSAL from it on.
+        shift = step * (nqb - 1)
+        base = np.full(shift + maxb, int(BlockType.CAUSAL), dtype=np.int32)
+        base[:shift] = BlockType.FULL
+        at = base[shift:]
+        types = np.lib.stride_tricks.as_strided(at, (nqb, maxb), (-step * at.itemsize, at.itemsize), writeable=False)
     else:
-        types = np.full((nqb, nkvb), BlockType.FULL)
-    return BlockMask.from_block_types(types[None, None], q_len=q_len, kv_len=kv_len,
-                                      q_block_size=q_block_size, kv_block_size=kv_block_size)
+        types = np.where(np.arange(maxb) < full_count[:, None], int(BlockType.FULL), int(BlockType.CAUSAL))
+        types = types.astype(np.int32)
+        types.flags.writeable = False
+    causal_blocks = count - full_count
+    summary = MaskSummary(counts=(nqb * nkvb - int(count.sum()), int(causal_blocks.sum()), int(full_count.sum()), 0),
+                          q_block_work=(2 * full_count + causal_blocks).astype(np.int64))
+    counts = count.astype(np.int32)
+    counts.flags.writeable = False
+    q = np.arange(nqb)
+    runs = RowRuns((1, 1, nqb), np.repeat(q, 2), np.stack([np.zeros(nqb, np.int64), full_count], 1).reshape(-1),
+                   np.stack([full_count, causal_blocks], 1).reshape(-1),
+                   np.tile([int(BlockType.FULL), int(BlockType.CAUSAL)], nqb))
+    return BlockMask(counts[None, None], np.broadcast_to(np.arange(maxb, dtype=np.int32), (1, 1, nqb, maxb)),
+                     types[None, None], q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
+                     _features=MaskFeatures(causal=bool(has_causal.any()), partial=False), _summary=summary,
+                     _runs=runs)
 
 
+# ------------------------------------------------------------------------------ from a mask_mod
 def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len: int, kv_len: int, *,
-                  q_block_size: int = 128, kv_block_size: int = 128, xp: Any = None,
-                  use_structure: bool = True) -> BlockMask:
+                  q_block_size: int = 128, kv_block_size: int = 128, xp: Any = None, use_structure: bool = True,
+                  mode: str = "auto") -> BlockMask:
     """Classify every (q block, kv block) of ``mask_mod(b, h, q_idx, kv_idx)`` as MASKED, FULL, CAUSAL
     or PARTIAL. ``B``/``H`` of None build a mask broadcast over batch/heads (size 1). ``xp`` picks
     the array module (default: CuPy with a GPU, else NumPy); ``use_structure=False`` ignores a
-    MaskMod's structure and evaluates every block (the generic path, for tests and benchmarks)."""
-    if not callable(mask_mod):
-        raise MaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    MaskMod's structure and evaluates every block (the generic path, for tests and benchmarks).
+    ``mode``: how a mask_mod is called on the blocks it must be evaluated on: ``"broadcast"`` (index
+    arrays, the contract of evaluate.py), ``"scalar"`` (one index a scalar at a time, for mask_mods
+    written for flex's vmap), ``"auto"`` (broadcast, and the scalar mode when that fails)."""
+    check_mask_mod(mask_mod)
+    mode = evaluate.check_mode(mode)
     Bm = 1 if B is None else _check_positive_int(B, "B")
     Hm = 1 if H is None else _check_positive_int(H, "H")
-    q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
-    runs = None
+    q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    build = _Build(mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, default_array_module() if xp is None else xp, mode)
+    windows = None
     if isinstance(mask_mod, MaskMod):
         mask_mod.check_extent(B, q_len, kv_len)
         if use_structure:
-            runs = mask_mod.block_runs(Bm, Hm, q_len, kv_len, qbs, kbs)
-    if runs is None:  # every row is one run of blocks to evaluate
-        nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
-        runs = np.zeros((Bm, Hm, nqb), dtype=np.int64), nkvb, np.full((Bm, Hm, nqb, 1), EVALUATE, dtype=np.int8)
-    return _build(*runs, mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, default_array_module() if xp is None else xp)
+            windows = mask_mod.windows(Bm, Hm, q_len, kv_len, qbs, kbs)
+    if windows is None:
+        return build.every_block((Bm, Hm, build.nqb))
+    return build.from_windows(windows)
 
 
 def from_dense(mask: Any, *, q_block_size: int = 128, kv_block_size: int = 128) -> BlockMask:
     """Block metadata for a boolean mask ``[B|1, H|1, Nq, Nkv]`` (NumPy, CuPy or DLPack); the work
-    runs where the mask lives."""
+    runs where the mask lives, reading the mask directly (no mask_mod call)."""
     mask = _as_array(mask, "mask")
     mod = zoo.dense(mask)  # validates the mask
     bm, hm, q_len, kv_len = (int(n) for n in mask.shape)
-    return from_mask_mod(mod, bm, hm, q_len, kv_len, q_block_size=q_block_size, kv_block_size=kv_block_size,
-                         xp=arrays.array_namespace(mask))
+    q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    build = _Build(mod, (bm, hm), q_len, kv_len, qbs, kbs, arrays.array_namespace(mask), "broadcast")
+    return build.every_block((bm, hm, build.nqb), dense=mask)
 
 
 def from_flex(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any = None, full_kv_indices: Any = None, *,
               q_len: int, kv_len: int, q_block_size: int = 128, kv_block_size: int = 128,
-              mask_mod: Optional[Callable] = None) -> BlockMask:
+              mask_mod: Optional[Callable] = None, mode: str = "auto") -> BlockMask:
     """From the arrays of torch's ``BlockMask.as_tuple()`` (NumPy, CuPy or any DLPack array; no torch
     import): ``kv_*`` lists partial blocks, ``full_kv_*`` full ones. Partial blocks are classified
     (CAUSAL, PARTIAL, or dropped when all false) by evaluating ``mask_mod``, the NumPy/CuPy form of
-    flex's mask_mod, which they therefore need."""
-    q_len, kv_len, qbs, kbs = _check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    flex's mask_mod, which they therefore need (``mode`` as for ``from_mask_mod``)."""
+    q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
+    mode = evaluate.check_mode(mode)
     if (full_kv_num_blocks is None) != (full_kv_indices is None):
         raise MaskError("full_kv_num_blocks and full_kv_indices must be given together")
     named = {"kv_num_blocks": kv_num_blocks, "kv_indices": kv_indices}
     if full_kv_num_blocks is not None:
         named.update(full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices)
-    if mask_mod is not None and not callable(mask_mod):
-        raise MaskError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    if mask_mod is not None:
+        check_mask_mod(mask_mod)
     given = {name: _as_array(a, name) for name, a in named.items()}
     # The metadata goes where the arrays came from; the block-level work runs on the host.
     xp = arrays.cupy_module() if any(arrays.is_cupy(a) for a in given.values()) else np
@@ -183,7 +249,11 @@ def from_flex(kv_num_blocks: Any, kv_indices: Any, full_kv_num_blocks: Any = Non
     types.reshape(-1)[listed[0]] = EVALUATE
     if len(listed) > 1:
         types.reshape(-1)[listed[1]] = FULL
-    return _build(np.zeros(shape[:3], dtype=np.int64), 1, types, mask_mod, shape[:2], q_len, kv_len, qbs, kbs, xp)
+    build = _Build(mask_mod, shape[:2], q_len, kv_len, qbs, kbs, xp, mode)
+    grid = shape[:3]
+    items = items_from_runs(np.arange(int(np.prod(grid))), np.zeros(grid, dtype=np.int64),
+                            np.ones(shape, dtype=np.int64), types, split=EVALUATE)
+    return build.finish(items, grid)
 
 
 def _listed_blocks(given: dict, prefix: str, shape: tuple):
@@ -213,248 +283,289 @@ def _as_array(x: Any, name: str):
 
 
 # -------------------------------------------------------------------------- shared construction
-def _build(first, lengths, kinds, mask_mod, batch_heads: tuple[int, int], q_len: int, kv_len: int, qbs: int,
-           kbs: int, xp: Any):
-    """Block rows given as runs -> BlockMask broadcast to ``batch_heads``, its arrays in ``xp``.
+class _Build:
+    """One build: its mask_mod, sizes, where the metadata goes (``xp``, and the device ``backend``,
+    None on the host) and how the mask_mod is called (``mode``)."""
 
-    ``first`` [Bs, Hs, nQB]; ``lengths`` and ``kinds`` [Bs, Hs, nQB, n] (``lengths`` may broadcast):
-    from kv block ``first`` on, each row is ``lengths[..., i]`` blocks of type ``kinds[..., i]``, in
-    increasing kv order. The blocks of EVALUATE runs are evaluated, the PARTIAL ones pooled; every
-    other run stays one item, so the host's work is O(runs + evaluated blocks), never O(nQB * maxB):
-    the dense rows are written where the metadata lives (``_layout``)."""
-    grid = first.shape
-    n = kinds.shape[-1]
-    lengths = np.broadcast_to(lengths, grid + (n,)).reshape(-1, n).astype(np.int64)
-    starts = (first.reshape(-1, 1) + np.cumsum(lengths, axis=1) - lengths).reshape(-1)
-    lengths, kinds = lengths.reshape(-1), kinds.reshape(-1)
-    # Items: one per block of an EVALUATE run, one per other non-empty run that is not MASKED; in
-    # (row, kv) order, so the evaluation (and the pool) follows C order over the block grid.
-    evaluate = kinds == EVALUATE
-    runs = np.flatnonzero(np.where(evaluate, lengths, (kinds != MASKED) & (lengths > 0)))
-    count = np.where(evaluate[runs], lengths[runs], 1)
-    run = np.repeat(runs, count)
-    offset = np.arange(len(run)) - np.repeat(np.cumsum(count) - count, count)
-    row, kv, kind = run // n, starts[run] + offset, kinds[run].astype(np.int8)
-    length = np.where(evaluate[run], 1, lengths[run])
-    at = np.flatnonzero(evaluate[run])
-    pidx = pool = None
-    if at.size:
-        xp = _evaluation_module(mask_mod, xp)
-        b, h, qb = np.unravel_index(row[at], grid)
-        types, pool, pool_index = _evaluate_blocks(mask_mod, b, h, qb * qbs, kv[at] * kbs, q_len, kv_len, qbs, kbs,
-                                                   xp)
-        kind[at] = types
-        if pool is not None:
-            pidx = np.zeros(len(kind), dtype=np.int32)
-            pidx[at[types == PARTIAL]] = pool_index
-    # Valid by construction (rows strictly increase, every index is in range): BlockMask checks the
-    # shapes only, not the values.
-    features = MaskFeatures(causal=bool(np.any(kind == CAUSAL)), partial=pool is not None)
-    nb, idx, types, pidx = _layout(grid, row, kv, length, kind, pidx, xp)
-    # Rows computed for one (b, h) stand for all of them: zero-stride views, no copies.
-    nb, idx, types, pidx = (None if a is None else xp.broadcast_to(a, batch_heads + a.shape[2:])
-                            for a in (nb, idx, types, pidx))
-    return BlockMask(nb, idx, types, q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
-                     partial_block_mask_indices=pidx, partial_block_masks=pool, mask_mod=mask_mod,
-                     _features=features)
+    def __init__(self, mask_mod: Optional[Callable], batch_heads: tuple[int, int], q_len: int, kv_len: int,
+                 qbs: int, kbs: int, xp: Any, mode: str) -> None:
+        self.mask_mod, self.batch_heads, self.mode = mask_mod, batch_heads, mode
+        self.q_len, self.kv_len, self.qbs, self.kbs = q_len, kv_len, qbs, kbs
+        self.nqb, self.nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+        self.xp, self.backend = xp, backend_for(xp)
 
+    # ---------------------------------------------------------------- rows
+    def every_block(self, grid: tuple[int, int, int], dense: Any = None) -> BlockMask:
+        """Every block of every row of ``grid`` evaluated (the generic path, and a dense mask)."""
+        rows = int(np.prod(grid))
+        items = items_from_runs(np.arange(rows), np.zeros(rows, dtype=np.int64), np.full((rows, 1), self.nkvb),
+                                np.int8(EVALUATE), split=EVALUATE)
+        return self.finish(items, grid, dense=dense)
 
-def _evaluate_blocks(mask_mod, b, h, q0, kv0, q_len, kv_len, qbs, kbs, xp):
-    """Types ([K] int8, host) of the K blocks whose first element is (q0, kv0), from their elements,
-    in chunks; the deduplicated pool of the PARTIAL ones' bits (in ``xp``) and each one's index
-    into it ([n] int32, host), or Nones. The bits stay where they were evaluated: per chunk, the
-    host gets the blocks' types and hashes back (one transfer), and the pool is gathered in ``xp``."""
-    k = len(b)
-    per_chunk = max(1, (CHUNK_ELEMENTS if xp is np else DEVICE_CHUNK_ELEMENTS) // (qbs * kbs))
-    chunks = [(lo, min(lo + per_chunk, k)) for lo in range(0, k, per_chunk)]
-    # Per chunk, the blocks with positions past the sequence ends and those the diagonal crosses: the
-    # only ones whose type takes more than a min and a max. Sent with the coordinates: one transfer.
-    subsets = []
-    for lo, hi in chunks:
-        q, kv = q0[lo:hi], kv0[lo:hi]
-        subsets += [np.flatnonzero((q + qbs > q_len) | (kv + kbs > kv_len)),
-                    np.flatnonzero((q + qbs > kv) & (q < kv + kbs))]
-    at = xp.asarray(np.concatenate([np.stack([b, h, q0, kv0], axis=1).reshape(-1)] + subsets).astype(np.int64))
-    ends = np.cumsum([4 * k] + [len(s) for s in subsets])
-    subsets = [at[lo:hi] for lo, hi in zip(ends[:-1], ends[1:])]
-    at = at[:4 * k].reshape(k, 4)
-    types, hashes, kept = [], [], []
-    for i, (lo, hi) in enumerate(chunks):
-        chunk = at[lo:hi]
-        bits = _element_bits(mask_mod, chunk, q_len, kv_len, qbs, kbs, xp)
-        # Types first: they clear the bits past the ends, which the hashes and the pool must not see.
-        kinds = _block_types(bits, chunk[:, 2], chunk[:, 3], *subsets[2 * i:2 * i + 2], q_len, kv_len, xp)
-        found = arrays.to_numpy(xp.stack([_block_hashes(bits, xp), kinds.astype(np.uint64)]))  # one transfer
-        types.append(found[1].astype(np.int8))
-        partial = np.flatnonzero(types[-1] == PARTIAL)
-        hashes.append(found[0][partial])
-        if partial.size == len(bits):
-            kept.append((bits, None))
-        elif partial.size and len(chunks) > 1:  # keep the partial blocks' bits only
-            kept.append((bits[xp.asarray(partial)], None))
-        elif partial.size:
+    def from_windows(self, windows) -> BlockMask:
+        """Rows from a MaskMod's windows; with exact bounds the cut blocks come from their row runs
+        (patterns.py), chunk by chunk, and nothing is evaluated."""
+        parts, pattern_ids, pool = [], [], PatternPool(self.qbs, self.kbs)
+        grid, exact = None, True
+        for chunk in windows:
+            bs, hs, n = chunk.first.shape
+            grid = grid or (bs, hs, self.nqb)
+            if (bs, hs) != grid[:2]:
+                raise MaskError(f"the bounds of mask_mod {name_of(self.mask_mod)} broadcast over batch and heads "
+                                f"differently from chunk to chunk ({grid[:2]}, then {(bs, hs)})")
+            local = np.arange(bs * hs * n)
+            b_h, q = np.divmod(local, n)
+            row_ids = b_h * self.nqb + chunk.q_start + q
+            lengths = np.stack([chunk.after, chunk.before - chunk.after, chunk.width - chunk.before], axis=-1)
+            kinds = np.stack(np.broadcast_arrays(np.int8(EVALUATE), np.int8(FULL), chunk.tail), axis=-1)
+            items = items_from_runs(row_ids, chunk.first, lengths, kinds, split=EVALUATE)
+            ids = np.full(len(items.row), -1, dtype=np.int64)
+            exact = exact and chunk.start is not None
+            if exact:
+                self._cut_blocks(chunk, items, ids, pool)
+            parts.append(items)
+            pattern_ids.append(ids)
+        items = Items(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("row", "kv", "length", "kind")))
+        ids = np.concatenate(pattern_ids)
+        if len(parts) > 1 and grid[0] * grid[1] > 1:  # chunks split rows: back to (row, kv) order
+            order = np.argsort(items.row, kind="stable")
+            items, ids = items.select(order), ids[order]
+        if exact:  # (PARTIAL and EVALUATE share a value: `exact` tells them apart)
+            return self._exact(items, ids, pool, grid)
+        return self.finish(items, grid)
+
+    def _cut_blocks(self, chunk, items: Items, ids: np.ndarray, pool: PatternPool) -> None:
+        """Types (in ``items.kind``) and partial pattern ids (in ``ids``) of a chunk's cut blocks,
+        from the rows' bounds."""
+        at = np.flatnonzero(items.kind == EVALUATE)
+        if not at.size:
+            return
+        b_h, q = np.divmod(items.row[at], self.nqb)
+        n = chunk.first.shape[2]
+        local = b_h * n + q - chunk.q_start  # row of the chunk's [Bs * Hs * n, qbs] bounds
+        q0, kv0 = q * self.qbs, items.kv[at] * self.kbs
+        start, end = (np.take(a.reshape(-1, self.qbs), local, axis=0) for a in (chunk.start, chunk.end))
+        types, codes = cut_blocks(start, end, q0, kv0, self.q_len, self.kv_len, self.kbs)
+        items.kind[at] = types
+        partial = types == PARTIAL
+        ids[at[partial]] = pool.add(codes[partial])
+
+    def _exact(self, items: Items, ids: np.ndarray, pool: PatternPool, grid) -> BlockMask:
+        partial = np.flatnonzero(items.kind == PARTIAL)
+        bits, rank = pool.finish(ids[partial])
+        pidx = None
+        if bits is not None:
+            pidx = np.zeros(len(items.row), dtype=np.int32)
+            pidx[partial] = rank
+        return self._assemble(Items(items.row, items.kv, items.length, items.kind, pidx), bits, grid)
+
+    # ------------------------------------------------------------ evaluation
+    def finish(self, items: Items, grid, dense: Any = None) -> BlockMask:
+        """Evaluate the EVALUATE items (one block each), then lay the rows out."""
+        at = np.flatnonzero(items.kind == EVALUATE)
+        pool, pidx = None, None
+        if at.size:
+            b_h, qb = np.divmod(items.row[at], grid[2])
+            b, h = np.divmod(b_h, grid[1])
+            coords = np.stack([b, h, qb * self.qbs, items.kv[at] * self.kbs], axis=1).astype(np.int64)
+            types, pool, pool_index = self._evaluate(coords, dense)
+            items.kind[at] = types
+            if pool is not None:
+                pidx = np.zeros(len(items.row), dtype=np.int32)
+                pidx[at[types == PARTIAL]] = pool_index
+        return self._assemble(Items(items.row, items.kv, items.length, items.kind, pidx), pool, grid)
+
+    def _evaluate(self, coords: np.ndarray, dense: Any):
+        """Types ([K] int8, host), the pool (in ``xp`` or NumPy) and the PARTIAL blocks' pool indices
+        of K blocks given by their coords ``[K, 4]`` (b, h, q0, kv0)."""
+        if dense is not None:
+            return self._classify(coords, dense=dense)
+        if self.mode == "scalar":
+            return self._scalar(coords)
+        try:
+            return self._classify(coords)
+        except BroadcastFailure as failure:
+            if self.mode == "broadcast":
+                raise
+            calls = evaluate.scalar_calls(len(coords), self.qbs, self.kbs)
+            if calls > evaluate.AUTO_SCALAR_CALL_LIMIT:
+                raise MaskError(f"{failure} (the scalar mode would take {calls} calls here, more than the "
+                                f"{evaluate.AUTO_SCALAR_CALL_LIMIT} it is tried with automatically: pass "
+                                "mode='scalar' to wait for them)") from failure
+            evaluate.announce_fallback(self.mask_mod, failure)
+            return self._scalar(coords)
+
+    def _classify(self, coords: np.ndarray, dense: Any = None):
+        """The broadcast path (or a dense mask), chunk by chunk, on the host or the device."""
+        qbs, kbs = self.qbs, self.kbs
+        backend = self.backend
+        if dense is None and backend is not None and _evaluation_module(self.mask_mod, self.xp) is np:
+            backend = None  # the mask_mod takes NumPy arrays only: evaluated on the host
+        k = len(coords)
+        budget = DEVICE_CHUNK_ELEMENTS if backend is not None else CHUNK_ELEMENTS
+        per_chunk = max(1, budget // (qbs * kbs))
+        on_device = backend.upload(coords) if backend is not None else coords
+        types, hashes, kept = [], [], []
+        for lo in range(0, k, per_chunk):
+            hi = min(lo + per_chunk, k)
+            at = on_device[lo:hi]
+            if backend is None:
+                bits = (_dense_bits(dense, coords[lo:hi], self.q_len, self.kv_len, qbs, kbs) if dense is not None
+                        else _packed(self._evaluate_grid(at, np), hi - lo, qbs, kbs))
+                chunk_types = blocks.block_types(bits, coords[lo:hi, 2], coords[lo:hi, 3], self.q_len, self.kv_len)
+                chunk_hashes = blocks.block_hashes(bits)
+            else:
+                elements = dense if dense is not None else self._evaluate_grid(at, self.xp, backend)
+                bits, summary = backend.classify(elements, dense is not None, at, qbs, kbs, self.q_len, self.kv_len)
+                summary = backend.download(summary)  # the one wait of the chunk
+                chunk_hashes, chunk_types = summary[:hi - lo], summary[hi - lo:].astype(np.int8)
+            if lo == 0 and dense is None:
+                self._check_elementwise(coords[lo:hi], bits, chunk_types, backend)
+            types.append(chunk_types)
+            partial = np.flatnonzero(chunk_types == PARTIAL)
+            hashes.append(chunk_hashes[partial])
             kept.append((bits, partial))
-    types, hashes = np.concatenate(types), np.concatenate(hashes)
-    if not len(hashes):
-        return types, None, None
-    bits, rows = kept[0] if len(kept) == 1 else (xp.concatenate([k for k, _ in kept]), None)
-    return types, *_deduplicate(bits, rows, hashes, xp)
+        types, hashes = np.concatenate(types), np.concatenate(hashes)
+        if not len(hashes):
+            return types, None, None
+        if len(kept) == 1:
+            bits, rows = kept[0]
+        elif backend is None:
+            bits, rows = np.concatenate([b[p] for b, p in kept]), None
+        else:  # the partial blocks of every chunk, side by side, by the gather kernel
+            bits = self.xp.empty((len(hashes), qbs, kbs // PARTIAL_WORD_BITS), dtype=np.uint32)
+            offset = 0
+            for chunk_bits, partial in kept:
+                backend.gather_blocks(chunk_bits, partial, bits, offset + np.arange(len(partial)))
+                offset += len(partial)
+            rows = None
+        pool, index = blocks.deduplicate(bits, rows, hashes, self.xp if backend is not None else np, backend)
+        return types, pool, index
+
+    def _evaluate_grid(self, at, xp, backend: Optional[Backend] = None):
+        """The mask_mod on the blocks ``at`` ``[K, 4]`` (in ``xp``), broadcast to ``[K, qbs, kbs]``."""
+        global _said_cupy_compiles
+        k = int(at.shape[0])
+        if backend is not None:
+            q, kv = backend.block_indices(at, self.qbs, self.kbs, self.q_len, self.kv_len)
+            if not _said_cupy_compiles and getattr(xp, "__name__", "") == "cupy":
+                _said_cupy_compiles = True
+                logger.warning("evaluating mask_mod %s on the GPU with CuPy: CuPy compiles the kernels of its "
+                               "operations at their first use (seconds on a fresh machine, cached by CuPy after). "
+                               "Masks with exact row bounds (the built-in masks but dilated windows and or/not "
+                               "combinations) are built without evaluating them.", name_of(self.mask_mod))
+        else:
+            q = np.minimum(at[:, 2, None] + np.arange(self.qbs), self.q_len - 1)
+            kv = np.minimum(at[:, 3, None] + np.arange(self.kbs), self.kv_len - 1)
+        return evaluate.evaluate_grid(self.mask_mod, at[:, 0, None, None], at[:, 1, None, None], q[:, :, None],
+                                      kv[:, None, :], (k, self.qbs, self.kbs), xp)
+
+    def _check_elementwise(self, coords: np.ndarray, bits, types: np.ndarray, backend: Optional[Backend]) -> None:
+        """Once per mask_mod not known to be elementwise: sampled elements of a few evaluated blocks
+        against calls with four scalars (flex's own semantics). A mask_mod that indexes with its
+        arguments as if they were numbers can return a wrong mask of the right shape: this finds it."""
+        mod = self.mask_mod
+        if _is_known_elementwise(mod):
+            return
+        for i in sorted({0, len(coords) // 2, len(coords) - 1}):
+            b, h, q0, kv0 = (int(v) for v in coords[i])
+            real_rows, real_cols = min(self.qbs, self.q_len - q0), min(self.kbs, self.kv_len - kv0)
+            r, c = evaluate.sample_positions(real_rows, real_cols, seed=i)
+            truth = evaluate.scalar_values(mod, b, h, q0 + r, kv0 + c)
+            if truth is None:
+                return  # it cannot be called with scalars: nothing to compare
+            block = arrays.to_numpy(bits[i]) if backend is None else backend.download(bits[i])
+            got = ((block[r, c // PARTIAL_WORD_BITS] >> (c % PARTIAL_WORD_BITS).astype(np.uint32)) & 1).astype(bool)
+            if not np.array_equal(got, truth):
+                bad = int(np.flatnonzero(got != truth)[0])
+                raise BroadcastFailure(
+                    f"mask_mod {name_of(mod)} gives a different answer on broadcast index arrays ({bool(got[bad])}) "
+                    f"than when called with scalars ({bool(truth[bad])}) at b={b}, h={h}, q_idx={q0 + r[bad]}, "
+                    f"kv_idx={kv0 + c[bad]}: it is not elementwise. {evaluate.CONTRACT}")
+        with contextlib.suppress(TypeError):
+            _ELEMENTWISE.add(mod)
+
+    def _scalar(self, coords: np.ndarray):
+        """The scalar mode (evaluate.py), chunk by chunk, its results packed on the host; the pool goes
+        to ``xp``. Index arrays are CuPy when the mask_mod takes CuPy arrays (its tables may be CuPy)."""
+        index_module = np if self.backend is None else _evaluation_module(self.mask_mod, self.xp)
+        scalar = ScalarEvaluator(self.mask_mod, self.q_len, self.kv_len, self.qbs, self.kbs, index_module)
+        per_chunk = max(1, CHUNK_ELEMENTS // (self.qbs * self.kbs))
+        types, hashes, kept = [], [], []
+        for lo in range(0, len(coords), per_chunk):
+            chunk = coords[lo:lo + per_chunk]
+            grid = np.stack([scalar.block(*(int(v) for v in row)) for row in chunk])
+            bits = _packed(grid, len(chunk), self.qbs, self.kbs)
+            chunk_types = blocks.block_types(bits, chunk[:, 2], chunk[:, 3], self.q_len, self.kv_len)
+            partial = chunk_types == PARTIAL
+            types.append(chunk_types)
+            hashes.append(blocks.block_hashes(bits)[partial])
+            kept.append(bits[partial])
+        types, hashes = np.concatenate(types), np.concatenate(hashes)
+        if not len(hashes):
+            return types, None, None
+        pool, index = blocks.deduplicate(np.concatenate(kept), None, hashes, np)
+        return types, pool, index
+
+    # ---------------------------------------------------------------- layout
+    def _assemble(self, items: Items, pool: Any, grid: tuple[int, int, int]) -> BlockMask:
+        """Items with their final types -> BlockMask broadcast to ``batch_heads``, arrays in ``xp``."""
+        bs, hs, nqb = grid
+        copies = (self.batch_heads[0] // bs) * (self.batch_heads[1] // hs)
+        features = MaskFeatures(causal=bool(np.any(items.kind == CAUSAL)), partial=pool is not None)
+        summary = summary_of(items, grid, copies, self.nkvb)
+        segments = segments_of(items, bs * hs * nqb)
+        if self.backend is None:
+            nb, idx, types, pidx = write_host(segments)
+            pool = None if pool is None else np.asarray(arrays.to_numpy(pool))
+            for a in (nb, idx, types, pidx, pool):
+                if a is not None:
+                    a.flags.writeable = False
+        else:
+            nb, idx, types, pidx = self.backend.layout(device_table(segments), segments.rows, segments.max_blocks,
+                                                       len(segments.start), pool is not None)
+            if pool is not None and not arrays.is_cupy(pool) and self.backend.xp is not np:
+                pool = self.backend.upload(np.ascontiguousarray(pool))
+        maxb = segments.max_blocks
+        # Rows computed for one (b, h) stand for all of them: zero-stride views, no copies.
+        xp = self.xp if self.backend is not None else np
+        nb = xp.broadcast_to(nb.reshape(grid), self.batch_heads + (nqb,))
+        idx, types, pidx = (None if a is None else xp.broadcast_to(a.reshape(grid + (maxb,)),
+                                                                   self.batch_heads + (nqb, maxb))
+                            for a in (idx, types, pidx))
+        listed = items.kind != MASKED
+        runs = RowRuns(grid, items.row[listed], items.kv[listed], items.length[listed], items.kind[listed])
+        return BlockMask(nb, idx, types, q_len=self.q_len, kv_len=self.kv_len, q_block_size=self.qbs,
+                         kv_block_size=self.kbs, partial_block_mask_indices=pidx, partial_block_masks=pool,
+                         mask_mod=self.mask_mod, _features=features, _summary=summary, _runs=runs)
 
 
-def _element_bits(mask_mod, at, q_len, kv_len, qbs, kbs, xp):
-    """The element masks of K blocks as bits [K, qbs, kbs/32] uint32 in ``xp`` (bit c of word w =
-    column 32w + c); ``at`` [K, 4] int64 in ``xp`` holds each block's (b, h, q0, kv0). Positions past
-    the sequence ends are evaluated at clamped indices (lookup tables stay in range);
-    ``_block_types`` clears them."""
-    k = at.shape[0]
-    q = xp.minimum(at[:, 2, None] + xp.arange(qbs), q_len - 1)
-    kv = xp.minimum(at[:, 3, None] + xp.arange(kbs), kv_len - 1)
-    allowed = mask_mod(at[:, 0, None, None], at[:, 1, None, None], q[:, :, None], kv[:, None, :])
-    allowed = xp.broadcast_to(xp.asarray(allowed, dtype=bool), (k, qbs, kbs))
-    # Little bit order: bit c of byte j is element 8j + c, so little-endian words hold column 32w + c.
-    return xp.packbits(allowed, bitorder="little").view(np.uint32).reshape(k, qbs, kbs // 32)
+def _packed(allowed, k: int, qbs: int, kbs: int) -> np.ndarray:
+    """Booleans ``[K, qbs, kbs]`` (host) -> bits ``[K, qbs, kbs / 32]`` uint32 (bit c of word w =
+    column 32w + c: little bit order in little-endian words)."""
+    return np.packbits(allowed, axis=-1, bitorder="little").view(np.uint32).reshape(k, qbs, kbs // PARTIAL_WORD_BITS)
 
 
-def _block_types(bits, q0, kv0, tail, maybe, q_len, kv_len, xp):
-    """MASKED, FULL, CAUSAL or PARTIAL ([K], in ``xp``) for K blocks given by their bits
-    (``_element_bits``) and first elements, after clearing (in place) the bits of positions past
-    the sequence ends, so only real positions decide the type and the pool's tail is 0. ``tail``
-    lists the blocks with such positions, ``maybe`` those the diagonal crosses (indices in ``xp``,
-    whose lengths the host knows: nothing waits for the device)."""
-    k, qbs, n_words = bits.shape
-    kbs = 32 * n_words
-    prefix = _prefix_table(n_words).on(bits)
-    rows = xp.arange(qbs)
-    flat = bits.reshape(k, -1)
-    if len(tail):
-        real_rows = rows < (q_len - q0[tail])[:, None]
-        real = prefix[xp.minimum(kv_len - kv0[tail], kbs)][:, None, :] * real_rows[:, :, None]
-        bits[tail] &= real
-    none = flat.max(axis=1) == 0
-    full = flat.min(axis=1) == _ALL_BITS
-    if len(tail):
-        full[tail] = (bits[tail] == real).all(axis=(1, 2))
-    # CAUSAL: each real row r allows the real columns up to its diagonal, kv <= q0 + r. (Only a block
-    # the diagonal crosses can be that without being all or nothing, which take precedence.)
-    causal = xp.zeros(k, dtype=bool)
-    if len(maybe):
-        q, kv = q0[maybe], kv0[maybe]
-        real_cols = xp.minimum(kv_len - kv, kbs)[:, None]
-        diagonal = xp.minimum(xp.maximum(q[:, None] + rows - kv[:, None] + 1, 0), real_cols)
-        causal[maybe] = (bits[maybe] == prefix[diagonal * (rows < (q_len - q)[:, None])]).all(axis=(1, 2))
-    return xp.where(none, np.int8(MASKED), xp.where(full, np.int8(FULL),
-                                                     xp.where(causal, np.int8(CAUSAL), np.int8(PARTIAL))))
+def _dense_bits(mask: np.ndarray, coords: np.ndarray, q_len: int, kv_len: int, qbs: int, kbs: int) -> np.ndarray:
+    """The packed blocks ``[K, qbs, W]`` of a host dense mask ``[B, H, Nq, Nkv]`` at ``coords``,
+    positions past the ends 0: each block's rows are sliced and packed, no index arrays."""
+    words = kbs // PARTIAL_WORD_BITS
+    out = np.zeros((len(coords), qbs, words), dtype=np.uint32)
+    # Blocks of one q block row share their rows: pack each (b, h, q block) row of blocks at once.
+    keys = coords[:, 0] * (1 << 40) + coords[:, 1] * (1 << 32) + coords[:, 2]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    ends = np.r_[starts[1:], len(coords)]
+    for s, e in zip(starts, ends):
+        b, h, q0 = (int(v) for v in coords[s, :3])
+        rows = mask[b, h, q0:min(q0 + qbs, q_len)]
+        kv0, kv1 = int(coords[s, 3]), min(int(coords[e - 1, 3]) + kbs, kv_len)
+        padded = np.zeros((qbs, int(coords[e - 1, 3]) + kbs - kv0), dtype=bool)
+        padded[:rows.shape[0], :kv1 - kv0] = rows[:, kv0:kv1]
+        packed = np.packbits(padded, axis=-1, bitorder="little").view(np.uint32)
+        cols = (coords[s:e, 3] - kv0) // PARTIAL_WORD_BITS
+        out[s:e] = packed[:, cols[:, None] + np.arange(words)].transpose(1, 0, 2)
+    return out
 
 
-@functools.lru_cache(maxsize=8)
-def _prefix_rows(n_words: int) -> np.ndarray:
-    """``[32 * n_words + 1, n_words]`` uint32: row n is a packed row with its first n columns set."""
-    n = np.arange(32 * n_words + 1)[:, None] - 32 * np.arange(n_words)
-    return ((np.uint64(1) << np.clip(n, 0, 32).astype(np.uint64)) - np.uint64(1)).astype(np.uint32)
-
-
-@functools.lru_cache(maxsize=8)
-def _prefix_table(n_words: int) -> LookupTable:
-    """``_prefix_rows`` copied once to each device that asks."""
-    return LookupTable(_prefix_rows(n_words))
-
-
-@functools.lru_cache(maxsize=8)
-def _hash_multipliers(n_words: int) -> LookupTable:
-    """Odd 64-bit multipliers, one per word of a packed block. Fixed, so the pool's order is the
-    same on every path."""
-    rng = np.random.default_rng(0x6F6D6E69)
-    return LookupTable(rng.integers(1, 2**63, size=n_words, dtype=np.uint64) | np.uint64(1))
-
-
-def _block_hashes(packed, xp):
-    """A 64-bit hash of each packed block (NumPy or CuPy): sum of word * multiplier, mod 2**64."""
-    words = packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
-    return (words.astype(np.uint64) * _hash_multipliers(words.shape[1]).on(words)).sum(axis=1)
-
-
-def _deduplicate(bits, rows, hashes, xp):
-    """Identical partial blocks share one pool entry (pool in hash order). The blocks are
-    ``bits[rows]`` (``rows`` host indices, or None: all of ``bits``) with host ``hashes``; they are
-    grouped by hash, then each is compared (in ``xp``) with its group's representative; a hash
-    collision falls back to an exact row-wise unique on the host. Returns (pool [P, QBS, W] uint32
-    in ``xp``, pool index of each block [n] int32)."""
-    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    rep = first[inverse]
-    dup = np.flatnonzero(rep != np.arange(len(rep)))
-    at = np.concatenate([first, dup, rep[dup]])
-    at = xp.asarray(at if rows is None else rows[at])  # one transfer
-    p, d = len(first), len(dup)
-    if not d or bool(xp.all(bits[at[p:p + d]] == bits[at[p + d:]])):
-        return bits[at[:p]], inverse.astype(np.int32)
-    packed = arrays.to_numpy(bits if rows is None else bits[xp.asarray(rows)])
-    _, first, inverse = np.unique(packed.reshape(len(packed), -1), axis=0, return_index=True, return_inverse=True)
-    return xp.asarray(packed[first]), inverse.reshape(-1).astype(np.int32)
-
-
-def _layout(grid, row, kv, length, kind, pidx, xp):
-    """Flex's layout (what ``BlockMask.from_block_types`` makes), written in ``xp`` from the items of
-    the rows: item i is ``length[i]`` blocks of type ``kind[i]`` from kv block ``kv[i]`` on, in row
-    ``row[i]`` of ``grid``, items in (row, kv) order, PARTIAL items one block long with pool index
-    ``pidx[i]``. Each row lists its non-MASKED blocks in increasing kv order, then inactive slots 0.
-
-    The host works per item; the [rows, maxB] arrays are written in ``xp`` from one transfer of
-    O(items) numbers: each slot finds its segment (a run of consecutive blocks of one type), and
-    its kv index is the slot's flat position plus the segment's offset. Returns kv_num_blocks,
-    kv_indices, block_mask_types, partial_block_mask_indices (int32, or None)."""
-    keep = kind != MASKED
-    row, kv, length, kind = row[keep], kv[keep], length[keep], kind[keep]
-    n_rows = int(np.prod(grid))
-    nb = np.bincount(row, weights=length, minlength=n_rows).astype(np.int64)
-    maxb = max(int(nb.max()), 1)
-    # Flat slot (row * maxb + slot in the row) of each item's first block.
-    end = np.cumsum(length)
-    flat = row * maxb + end - length - (np.cumsum(nb) - nb)[row]
-    # Segments: an item starts one unless it continues the previous one (same row and type, not
-    # PARTIAL, the next kv block), so a run stays one segment whatever the path that listed it.
-    new = np.ones(len(row), dtype=bool)
-    new[1:] = ((row[1:] != row[:-1]) | (kind[1:] != kind[:-1]) | (kind[1:] == PARTIAL)
-               | (kv[1:] != kv[:-1] + length[:-1]))
-    seg = np.flatnonzero(new)
-    last = np.append(seg[1:], len(row))[:len(seg)] - 1
-    seg_start, seg_end = flat[seg], flat[last] + length[last]
-    n_slots = n_rows * maxb
-    dt = np.int32 if n_slots < 2**31 else np.int64
-    values = [(kv - flat)[seg], kind[seg]] + ([] if pidx is None else [pidx[keep][seg]])
-    if xp is np:
-        # Write the slots out run by run: before each segment a gap (the previous row's slots past
-        # its count, 0), then the segment.
-        counts = np.empty(2 * len(seg) + 1, dtype=np.int64)
-        counts[0::2] = np.append(seg_start, n_slots) - np.insert(seg_end, 0, 0)
-        counts[1::2] = seg_end - seg_start
-
-        def spread(v, dtype=dt):
-            runs = np.zeros(len(counts), dtype=dtype)
-            runs[1::2] = v
-            return np.repeat(runs, counts)
-
-        idx = spread(values[0])
-        idx += np.arange(n_slots, dtype=dt)
-        idx *= spread(True, bool)
-        out = [nb, idx] + [spread(v) for v in values[1:]]
-    else:
-        # One transfer of O(segments) numbers: the counts, the segment starts, and per segment (past
-        # a leading 0) its values. Each slot binary-searches the starts (a repeat with array counts
-        # is no device operation) and gathers its segment's values; slots past a row's count, 0.
-        table = np.zeros((len(values), len(seg) + 1), dtype=dt)
-        table[:, 1:] = values
-        meta = xp.asarray(np.concatenate([nb.astype(dt), seg_start.astype(dt), table.reshape(-1)]))
-        nb, starts, table = meta[:n_rows], meta[n_rows:n_rows + len(seg)], meta[n_rows + len(seg):]
-        table = table.reshape(len(values), len(seg) + 1)
-        pos = xp.arange(n_slots, dtype=dt)
-        active = (xp.arange(maxb, dtype=dt) < nb[:, None]).reshape(-1)
-        at = xp.searchsorted(starts, pos, side="right") * active if len(seg) else xp.zeros(n_slots, dtype=dt)
-        out = [nb, (pos + table[0][at]) * active] + [table[i][at] for i in range(1, len(values))]
-    out += [None] * (4 - len(out))
-    return tuple(None if a is None else a.reshape(grid + (maxb,) if i else grid).astype(np.int32, copy=False)
-                 for i, a in enumerate(out))
-
-
-__all__ = ["full", "causal", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "CHUNK_ELEMENTS",
-           "DEVICE_CHUNK_ELEMENTS"]
+__all__ = ["full", "causal", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "precompile_specs",
+           "CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS"]

@@ -29,6 +29,22 @@ Q_BLOCK_MULTIPLE = 16
 #: Bits per word of the partial-block pool (bit c of word w is column 32 w + c).
 PARTIAL_WORD_BITS = 32
 
+#: Positions, block indices and sequence lengths are 32-bit ints in the kernels and the metadata.
+#: A kernel computes the first position of the block after the last one (``n_blocks * block_size``)
+#: and one tile past it, so a length's padded end plus one block must stay below this.
+POSITION_LIMIT = 2**31
+
+
+def max_length(block_size: int) -> int:
+    """The longest sequence the kernels can index with blocks of ``block_size`` positions: whole
+    blocks up to it, plus one more block, stay below ``POSITION_LIMIT``."""
+    return ((POSITION_LIMIT - 1) // block_size - 1) * block_size
+
+
+#: Relative cost of visiting one block of each type (indexed by BlockType), for launch orders: a
+#: CAUSAL block is computed up to its diagonal only, a MASKED one not at all.
+WORK_WEIGHTS = (0, 1, 2, 2)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -48,5 +64,5 @@ def cpp_enum() -> str:
     return f"enum BlockType : int {{ {items} }};"
 
 
-__all__ = ["BlockType", "BLOCK_CHARS", "KV_BLOCK_MULTIPLE", "Q_BLOCK_MULTIPLE", "PARTIAL_WORD_BITS", "cdiv",
-           "MaskFeatures", "cpp_enum"]
+__all__ = ["BlockType", "BLOCK_CHARS", "KV_BLOCK_MULTIPLE", "Q_BLOCK_MULTIPLE", "PARTIAL_WORD_BITS", "POSITION_LIMIT",
+           "WORK_WEIGHTS", "max_length", "cdiv", "MaskFeatures", "cpp_enum"]

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from .. import arrays
 from ..errors import MaskError
-from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, MaskMod, check_mask_int, LookupTable, array_module_of
+from .mask_mod import (EVALUATE, LookupTable, MaskMod, array_module_of, as_bool_result, check_mask_int,
+                       check_mask_mod)
 
 # ------------------------------------------------------------------------------------- band masks
 def causal(offset: int = 0) -> MaskMod:
@@ -36,14 +37,15 @@ def causal(offset: int = 0) -> MaskMod:
             """q_idx >= kv_idx"""
             return q_idx >= kv_idx
 
-        return MaskMod(causal, "causal", bounds=lambda b, h, q: (0, q + 1), cuda_expr="q_idx >= kv_idx")
+        return MaskMod(causal, "causal", bounds=lambda b, h, q: (0, q + 1), cuda_expr="q_idx >= kv_idx",
+                       pointwise=True)
 
     def causal_offset(b, h, q_idx, kv_idx):
         """q_idx + offset >= kv_idx"""
         return q_idx + offset >= kv_idx
 
     return MaskMod(causal_offset, f"causal_offset_{offset}", bounds=lambda b, h, q: (0, q + offset + 1),
-                   cuda_expr=f"q_idx + ({offset}) >= kv_idx")
+                   cuda_expr=f"q_idx + ({offset}) >= kv_idx", pointwise=True)
 
 
 def sliding_window(window: int) -> MaskMod:
@@ -56,7 +58,7 @@ def sliding_window(window: int) -> MaskMod:
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     return MaskMod(sliding_window, f"sliding_window_{window}", bounds=lambda b, h, q: (q - window + 1, q + 1),
-                   cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {window}")
+                   cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {window}", pointwise=True)
 
 
 def local_window(left: int, right: int) -> MaskMod:
@@ -68,7 +70,7 @@ def local_window(left: int, right: int) -> MaskMod:
         return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
 
     return MaskMod(local_window, f"local_window_{left}_{right}", bounds=lambda b, h, q: (q - left, q + right + 1),
-                   cuda_expr=f"kv_idx >= q_idx - {left} && kv_idx <= q_idx + {right}")
+                   cuda_expr=f"kv_idx >= q_idx - {left} && kv_idx <= q_idx + {right}", pointwise=True)
 
 
 def prefix_lm(prefix_len: int) -> MaskMod:
@@ -81,7 +83,7 @@ def prefix_lm(prefix_len: int) -> MaskMod:
         return (kv_idx < prefix_len) | (q_idx >= kv_idx)
 
     return MaskMod(prefix_lm, f"prefix_lm_{prefix_len}", bounds=lambda b, h, q: (0, array_module_of(q).maximum(prefix_len, q + 1)),
-                   cuda_expr=f"kv_idx < {prefix_len} || q_idx >= kv_idx")
+                   cuda_expr=f"kv_idx < {prefix_len} || q_idx >= kv_idx", pointwise=True)
 
 
 def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
@@ -100,7 +102,8 @@ def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
     # dilation == 1) the band rules blocks out but every block in it is evaluated.
     return MaskMod(dilated_sliding_window, f"dilated_sliding_window_{window}_dilation_{dilation}",
                    bounds=lambda b, h, q: (q - span + 1, q + 1), bounds_exact=dilation == 1,
-                   cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {span} && (q_idx - kv_idx) % {dilation} == 0")
+                   cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {span} && (q_idx - kv_idx) % {dilation} == 0",
+                   pointwise=True)
 
 
 # ---------------------------------------------------------------------------------- segment masks
@@ -145,7 +148,8 @@ def _documents(ids: np.ndarray, causal: bool, name: str) -> MaskMod:
         def bounds(b, h, q):
             return run_start.lookup(b, q), q + 1 if causal else run_end.lookup(b, q)
 
-    return MaskMod(document, name, bounds=bounds, length=ids.shape[-1], batch=ids.shape[0] if ids.ndim == 2 else None)
+    return MaskMod(document, name, bounds=bounds, length=ids.shape[-1], batch=ids.shape[0] if ids.ndim == 2 else None,
+                   pointwise=True)
 
 
 def document(doc_ids: Any, causal: bool = True) -> MaskMod:
@@ -192,7 +196,7 @@ def interleaved(segments: Sequence[tuple[str, int]]) -> MaskMod:
 
     n_image = sum(kinds)
     return MaskMod(interleaved, f"interleaved_{len(sizes) - n_image}text_{n_image}image",
-                   bounds=lambda b, h, q: (0, limit.lookup(b, q)), length=int(ends[-1]))
+                   bounds=lambda b, h, q: (0, limit.lookup(b, q)), length=int(ends[-1]), pointwise=True)
 
 
 def dense(mask: Any) -> MaskMod:
@@ -213,7 +217,8 @@ def dense(mask: Any) -> MaskMod:
         """mask[b, h, q_idx, kv_idx]"""
         return table.on(q_idx)[b if per_batch else 0, h if per_head else 0, q_idx, kv_idx]
 
-    return MaskMod(dense, f"dense_{mask.shape[2]}x{mask.shape[3]}", batch=mask.shape[0] if per_batch else None)
+    return MaskMod(dense, f"dense_{mask.shape[2]}x{mask.shape[3]}", batch=mask.shape[0] if per_batch else None,
+                   pointwise=True)
 
 
 # ------------------------------------------------------------------------------------ combinators
@@ -223,6 +228,7 @@ def _as_mask_mods(mask_mods: Sequence[Callable], what: str) -> list[MaskMod]:
     for i, m in enumerate(mask_mods):
         if not callable(m):
             raise MaskError(f"{what}: argument {i} is not callable ({type(m).__name__})")
+        check_mask_mod(m, f"{what}: argument {i}")
     return [m if isinstance(m, MaskMod) else MaskMod(m) for m in mask_mods]
 
 
@@ -233,7 +239,7 @@ def _combined(fn: Callable, name: str, mods: list[MaskMod], **structure) -> Mask
     if len(batches) > 1:
         raise MaskError(f"{name}: the masks have per-batch data for different batch sizes {sorted(batches)}")
     return MaskMod(fn, name, length=min(lengths) if lengths else None, batch=batches.pop() if batches else None,
-                   **structure)
+                   pointwise=all(m.pointwise for m in mods), **structure)
 
 
 def and_masks(*mask_mods: Callable) -> MaskMod:
@@ -276,7 +282,8 @@ def not_mask(mask_mod: Callable) -> MaskMod:
 
     def not_mask(b, h, q_idx, kv_idx):
         """~m"""
-        return ~array_module_of(q_idx).asarray(mod(b, h, q_idx, kv_idx), dtype=bool)
+        xp = array_module_of(q_idx)
+        return ~as_bool_result(mod(b, h, q_idx, kv_idx), mod.name, xp)
 
     return _combined(not_mask, f"not_mask({mod.name})", [mod])
 

@@ -1,0 +1,231 @@
+"""The builders' GPU kernels (omnicupy/mask/kernels.py) against their NumPy emulation, GPU builds
+against host builds, and the properties of GPU builds: no wait behind running work for structured
+masks, the caller's CuPy arrays not reaching the mask, compiles said once. Every random input is
+seeded and the seed is in the failure message."""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from omnicupy import BlockMask, arrays, masks
+from omnicupy.dispatch import schedule
+from omnicupy.mask import blocks, builders, kernels, layout
+
+from mask_cases import MASK_CASES
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+META = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
+SEEDS = [11, 12, 13]
+
+
+def assert_same_metadata(a: BlockMask, b: BlockMask, note: str = "") -> None:
+    assert a.shape == b.shape and a.block_size == b.block_size, note
+    for name in META:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), f"{name} {note}"
+        if x is not None:
+            np.testing.assert_array_equal(arrays.to_numpy(x), arrays.to_numpy(y), err_msg=f"{name} {note}")
+    assert a.features == b.features and a.summary.counts == b.summary.counts, note
+
+
+# ------------------------------------------------------------------------------ kernel by kernel
+def random_coords(rng, k, bs, hs, q_len, kv_len, qbs, kbs):
+    """[k, 4] int64 block coordinates (b, h, q0, kv0), tails included."""
+    return np.stack([rng.integers(0, bs, k), rng.integers(0, hs, k), rng.integers(0, -(-q_len // qbs), k) * qbs,
+                     rng.integers(0, -(-kv_len // kbs), k) * kbs], axis=1).astype(np.int64)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("qbs,kbs,q_len,kv_len", [(128, 128, 1000, 777), (64, 32, 300, 301), (16, 256, 50, 700)])
+@pytest.mark.parametrize("source", ["grid", "grid-broadcast", "grid-transposed", "dense", "dense-strided"])
+def test_classify_kernel(source, qbs, kbs, q_len, kv_len, seed):
+    rng = np.random.default_rng(seed)
+    note = f"seed={seed} source={source}"
+    k = 37
+    coords = random_coords(rng, k, 2, 3, q_len, kv_len, qbs, kbs)
+    # Mix dense, sparse, all-true, all-false and causal-like blocks.
+    density = rng.choice([0.0, 0.03, 0.5, 0.97, 1.0], size=(k, 1, 1))
+    if source.startswith("grid"):
+        host = rng.random((k, qbs, kbs)) < density
+        causal = rng.random(k) < 0.3
+        diagonal = (coords[:, 2, None, None] + np.arange(qbs)[:, None]) >= (coords[:, 3, None, None] + np.arange(kbs))
+        host[causal] = diagonal[causal]
+        if source == "grid-broadcast":
+            host = np.broadcast_to(host[:, :1, :], host.shape)
+        device = cp.asarray(np.ascontiguousarray(host))
+        if source == "grid-broadcast":
+            device = cp.broadcast_to(cp.asarray(np.ascontiguousarray(host[:, :1, :])), host.shape)
+        if source == "grid-transposed":
+            device = cp.asarray(np.ascontiguousarray(host.transpose(0, 2, 1))).transpose(0, 2, 1)
+        positional = False
+    else:
+        host = rng.random((2, 3, q_len, kv_len)) < rng.choice([0.02, 0.5, 0.98])
+        host |= np.tri(q_len, kv_len, dtype=bool) & (rng.random((2, 3, 1, 1)) < 0.5)
+        device = cp.asarray(host)
+        if source == "dense-strided":
+            wide = np.zeros((2, 3, q_len, 2 * kv_len), bool)
+            wide[..., ::2] = host
+            device = cp.asarray(wide)[..., ::2]
+        positional = True
+    want_bits, want_summary = kernels.EmulatedBackend().classify(host, positional, coords, qbs, kbs, q_len, kv_len)
+    bits, summary = kernels.KernelBackend(cp).classify(device, positional, cp.asarray(coords), qbs, kbs, q_len,
+                                                       kv_len)
+    np.testing.assert_array_equal(bits.get(), want_bits, err_msg=note)
+    np.testing.assert_array_equal(summary.get(), want_summary, err_msg=note)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES])
+def test_layout_kernel(factory, seed):
+    rng = np.random.default_rng(seed)
+    bm = builders.from_mask_mod(factory(900, 700), None, 2, 900, 700, q_block_size=32, kv_block_size=64, xp=np)
+    runs = bm._runs
+    items = layout.Items(runs.row, runs.kv, runs.length, runs.kind.astype(np.int8),
+                         rng.integers(0, 1000, len(runs.row)).astype(np.int32))
+    segments = layout.segments_of(items, int(np.prod(runs.grid)))
+    args = (layout.device_table(segments), segments.rows, segments.max_blocks, len(segments.start))
+    for with_partial in (True, False):
+        want = kernels.EmulatedBackend().layout(*args, with_partial)
+        got = kernels.KernelBackend(cp).layout(*args, with_partial)
+        for w, g in zip(want, got):
+            assert (w is None) == (g is None)
+            if w is not None:
+                np.testing.assert_array_equal(g.get(), w, err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gather_compare_and_indices_kernels(seed):
+    rng = np.random.default_rng(seed)
+    note = f"seed={seed}"
+    src = rng.integers(0, 2**32, (50, 64, 2), dtype=np.uint32)
+    src[10] = src[3]
+    pick = rng.integers(0, 50, 20)
+    device = kernels.KernelBackend(cp)
+    np.testing.assert_array_equal(device.gather_blocks(cp.asarray(src), pick).get(), src[pick], err_msg=note)
+    into = cp.zeros((30, 64, 2), np.uint32)
+    device.gather_blocks(cp.asarray(src), pick[:5], into, np.array([29, 0, 7, 8, 1]))
+    want = np.zeros((30, 64, 2), np.uint32)
+    want[[29, 0, 7, 8, 1]] = src[pick[:5]]
+    np.testing.assert_array_equal(into.get(), want, err_msg=note)
+    assert not device.blocks_differ(cp.asarray(src), np.array([3, 10, 4]), cp.asarray(src), np.array([10, 3, 4]))
+    assert device.blocks_differ(cp.asarray(src), np.array([3, 10]), cp.asarray(src), np.array([10, 4]))
+    coords = random_coords(rng, 40, 1, 1, 1000, 333, 128, 64)
+    for a, b in zip(device.block_indices(cp.asarray(coords), 128, 64, 1000, 333),
+                    kernels.EmulatedBackend().block_indices(coords, 128, 64, 1000, 333)):
+        np.testing.assert_array_equal(a.get(), b, err_msg=note)
+
+
+# ------------------------------------------------------------------------------ whole builds
+@pytest.mark.parametrize("use_structure", [True, False], ids=["structured", "generic"])
+@pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES])
+def test_gpu_builds_equal_host_builds(factory, use_structure):
+    mod = factory(1000, 777)
+    on_gpu = builders.from_mask_mod(mod, 2, None, 1000, 777, q_block_size=64, kv_block_size=128, xp=cp,
+                                    use_structure=use_structure)
+    on_host = builders.from_mask_mod(mod, 2, None, 1000, 777, q_block_size=64, kv_block_size=128, xp=np,
+                                     use_structure=use_structure)
+    assert on_gpu.on_device and not on_host.on_device
+    assert_same_metadata(on_gpu, on_host)
+    np.testing.assert_array_equal(on_gpu.q_block_work, schedule.q_block_work(on_gpu))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gpu_from_dense_equals_host(seed):
+    rng = np.random.default_rng(seed)
+    mask = rng.random((2, 2, 1000, 900)) < rng.choice([0.01, 0.5, 0.99])
+    mask[:, 0] |= np.tri(1000, 900, dtype=bool)
+    on_gpu = BlockMask.from_dense(cp.asarray(mask), q_block_size=128, kv_block_size=64)
+    on_host = BlockMask.from_dense(mask, q_block_size=128, kv_block_size=64)
+    assert on_gpu.on_device
+    assert_same_metadata(on_gpu, on_host, note=f"seed={seed}")
+
+
+def test_gpu_scalar_mode_and_flex_arrays():
+    intervals = cp.asarray(np.array([[0, 70], [50, 180], [180, 250]]))
+    boundaries = cp.repeat(cp.arange(3), 40)
+
+    def vision_cross_attention(b, h, q_idx, kv_idx):  # attention-gym's Flamingo mask, CuPy tables
+        interval = intervals[boundaries[kv_idx]]
+        return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+    bm = builders.from_mask_mod(vision_cross_attention, None, None, 250, 120, q_block_size=64, kv_block_size=32,
+                                xp=cp)
+    q, kv = np.arange(250)[:, None], np.arange(120)[None, :]
+    iv = np.array([[0, 70], [50, 180], [180, 250]])[kv // 40]
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], (q >= iv[..., 0]) & (q < iv[..., 1]))
+
+
+# --------------------------------------------------------------------------------- properties
+def spin(seconds: float) -> None:
+    """Keep the current stream busy for about ``seconds``."""
+    kernel = cp.RawKernel(r'''extern "C" __global__ void omnicupy_test_spin(long long cycles) {
+        const long long start = clock64(); while (clock64() - start < cycles) {} }''', "omnicupy_test_spin")
+    rate_khz = cp.cuda.Device().attributes["ClockRate"]
+    kernel((1,), (1,), (np.int64(seconds * rate_khz * 1e3),))
+
+
+@pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES
+                                     if f(1, 1).bounds is not None and f(1, 1).bounds_exact])
+def test_structured_gpu_builds_and_first_use_do_not_wait(factory):
+    """Built on the GPU while the stream is busy: the build, the first device_metadata() and the
+    launch order's input (q_block_work) return before the busy work ends."""
+    mod = factory(4096, 4096)
+    builders.from_mask_mod(mod, None, None, 4096, 4096, xp=cp).device_metadata()  # kernels loaded, pools warm
+    cp.cuda.Device().synchronize()
+    spin(0.5)
+    started = time.perf_counter()
+    bm = builders.from_mask_mod(mod, None, None, 4096, 4096, xp=cp)
+    bm.device_metadata()
+    work = bm.q_block_work
+    rule = BlockMask.causal(4096, 4096)
+    rule.device_metadata()
+    elapsed = time.perf_counter() - started
+    cp.cuda.Device().synchronize()
+    assert elapsed < 0.25, f"waited {elapsed:.3f} s behind the busy stream"
+    assert_same_metadata(bm, builders.from_mask_mod(mod, None, None, 4096, 4096, xp=np))
+    np.testing.assert_array_equal(work, schedule.q_block_work(bm))
+
+
+def test_caller_cupy_arrays_do_not_reach_the_mask():
+    bm = BlockMask.causal(300, 300)
+    nb, idx, types = (cp.asarray(np.ascontiguousarray(a)) for a in (bm.kv_num_blocks, bm.kv_indices,
+                                                                      bm.block_mask_types))
+    owned = BlockMask(nb, idx, types, q_len=300, kv_len=300)
+    meta = owned.device_metadata()
+    idx[0, 0, 1, 0] = 99  # out of range: it must not reach a kernel
+    nb[0, 0, 0] = 3
+    assert int(owned.kv_indices[0, 0, 1, 0]) == 0 and int(meta.kv_indices[0, 1, 0]) == 0
+    assert int(owned.kv_num_blocks[0, 0, 0]) == 1 and int(meta.kv_num_blocks[0, 0, 0]) == 1
+
+
+def test_compiles_at_first_use_are_said_once(tmp_cache, monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_ready", set())
+    monkeypatch.setattr(kernels, "_compiled_once", False)
+    monkeypatch.setattr(builders, "_said_cupy_compiles", False)
+    from omnicupy import jit
+
+    monkeypatch.setattr(jit, "_loaded", {})
+    with caplog.at_level(logging.INFO, logger="omnicupy.mask"):
+        builders.from_mask_mod(masks.sliding_window(100), None, None, 1000, 1000, xp=cp)  # layout only
+        builders.from_mask_mod(lambda b, h, q, kv: (q + kv) % 3 != 0, None, None, 1000, 1000, xp=cp)
+    warnings_ = [r.getMessage() for r in caplog.records if r.name == "omnicupy.mask" and r.levelno == logging.WARNING]
+    assert sum("compiled the block-mask kernel" in m for m in warnings_) == 1, warnings_
+    assert sum("CuPy compiles the kernels" in m for m in warnings_) == 1, warnings_
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="omnicupy.mask"):
+        builders.from_mask_mod(lambda b, h, q, kv: (q + kv) % 5 != 0, None, None, 1000, 1000, xp=cp)
+    assert not [r for r in caplog.records if r.name == "omnicupy.mask"]
+
+
+def test_pool_hashes_are_the_host_hashes():
+    mod = masks.document(masks.doc_ids_from_lengths([100, 37, 500, 363]), causal=False)
+    bm = builders.from_mask_mod(mod, None, None, 1000, 1000, q_block_size=64, kv_block_size=64, xp=cp,
+                                use_structure=False)
+    pool = bm.partial_block_masks.get()
+    hashes = blocks.block_hashes(pool)
+    assert np.all(np.diff(hashes.astype(np.uint64)) > 0)
