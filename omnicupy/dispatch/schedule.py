@@ -13,23 +13,14 @@ from typing import Optional
 
 import numpy as np
 
-from .. import arrays
 from ..jit import env
-from ..mask import BlockMask, BlockType, cdiv
-
-#: Relative cost of one kv block, indexed by BlockType: a CAUSAL block is computed only up to its
-#: diagonal, a MASKED one not at all.
-_WEIGHTS = np.zeros(len(BlockType), dtype=np.int64)
-_WEIGHTS[[BlockType.CAUSAL, BlockType.FULL, BlockType.PARTIAL]] = (1, 2, 2)
-
+from ..mask import BlockMask, cdiv
 
 def q_block_work(bm: BlockMask) -> np.ndarray:
-    """[nQB] int64: the estimated cost of each q block, summed over the mask's batch and head dims."""
-    xp = arrays.array_namespace(bm.kv_num_blocks)
-    types = bm.block_mask_types
-    listed = xp.arange(types.shape[3])[None, None, None, :] < bm.kv_num_blocks[..., None]
-    # Entries past a row's count may hold anything: look up only the listed ones.
-    return arrays.to_numpy(xp.asarray(_WEIGHTS)[xp.where(listed, types, 0)].sum(axis=(0, 1, 3)))
+    """[nQB] int64: the estimated cost of each q block (mask/types.py WORK_WEIGHTS per listed block,
+    summed over the mask's batch and head dims). The mask computed it on the host when it was
+    built or validated, so asking needs no transfer from the device and no synchronization."""
+    return bm.q_block_work
 
 
 def heaviest_first(work: np.ndarray, q_len: int, q_block_size: int, br: int) -> np.ndarray:
