@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from .. import arrays, jit
-from ..jit import env
 from ..dispatch.arch import current_arch
 from ..dispatch.params import FORWARD
 from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError
 from ..mask import BlockMask, expressions
-from .inputs import (Bias, Inputs, aligned, as_array, check_bias, check_device, check_mask_matches, check_out,
-                     check_qkv, check_scale, check_score_mod, check_stages, device_out, on_device, require_gpu,
-                     to_device)
+from . import recall
+from .inputs import (Bias, Inputs, aligned, check_bias, check_device, check_mask_matches, check_out, check_qkv,
+                     check_scale, check_score_mod, check_stages, device_out, on_device, require_gpu)
 
 CAUSAL_MODES = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 
@@ -98,7 +96,7 @@ def _device_order(bm: BlockMask, plan: Plan):
     return bm._tile_orders[key]
 
 
-def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras: Extras = Extras()) -> "Recipe":
+def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras: Extras = Extras()) -> recall.Recipe:
     try:
         kernel = jit.get_kernel(plan.variant)
     except CompileError as exc:
@@ -126,105 +124,7 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         "user_arrays": user_arrays,
     }
     kernel(plan.grid, plan.block, (FORWARD.pack(fields),), shared_mem=plan.smem_bytes)
-    return Recipe.make(kernel, plan, fields)
-
-
-#: The per-call pointer fields: everything else in the struct is fixed by the call's signature.
-_POINTER_FIELDS = ("q", "k", "v", "o", "lse")
-_POINTER = struct.Struct("<Q")
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A launch with everything but the five data pointers decided: the steady-state call of a
-    signature (shapes, strides, dtypes, mask, options, device) only allocates the output, writes
-    its pointers into a copy of ``template`` and launches."""
-
-    kernel: Any
-    plan: Plan
-    template: bytes
-    slots: tuple[int, ...]  # byte offsets of q, k, v, o, lse in the struct
-    keep: tuple  # arrays the struct points at (metadata, bias, expression tables), kept alive
-
-    @classmethod
-    def make(cls, kernel, plan: Plan, fields: dict) -> "Recipe":
-        fixed = dict(fields, **{name: None for name in _POINTER_FIELDS})
-        keep = tuple(v for k, v in fields.items() if k not in _POINTER_FIELDS and hasattr(v, "data"))
-        return cls(kernel, plan, bytes(FORWARD.pack(fixed)), tuple(FORWARD.offset(n) for n in _POINTER_FIELDS),
-                   keep)
-
-    def launch(self, *pointers: int) -> None:
-        buf = bytearray(self.template)
-        for offset, ptr in zip(self.slots, pointers):
-            _POINTER.pack_into(buf, offset, ptr)
-        plan = self.plan
-        self.kernel(plan.grid, plan.block, (np.frombuffer(buf, dtype=FORWARD.record_dtype)[0],),
-                    shared_mem=plan.smem_bytes)
-
-
-#: Recipes kept per mask (on the BlockMask object, so they go with it).
-MAX_RECIPES_PER_MASK = 64
-
-
-def _signature(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod, fuse_mask) -> Optional[tuple]:
-    """What decides every check and the plan, for CuPy q/k/v (else None: the general path).
-    Objects (bias, score_mod, out's layout) enter by identity or layout; the recipe keeps them alive."""
-    cp = arrays.cupy_module()
-    nd = cp.ndarray
-    if type(q) is not nd or type(k) is not nd or type(v) is not nd:
-        return None
-    if out is not None and type(out) is not nd:
-        return None
-    if bias is not None and type(bias) is not nd:
-        return None
-    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
-           None if out is None else (out.shape, out.strides, out.dtype), causal, scale, bool(return_lse), stages,
-           id(bias), id(score_mod), bool(fuse_mask), cp.cuda.runtime.getDevice(), env.mma_family(), env.schedule())
-    return key
-
-
-def to_device_view(x: Any, name: str):
-    """A CUDA DLPack object as a zero-copy CuPy array; anything else unchanged (the checks say why)."""
-    try:
-        return arrays.to_cupy(x, name)
-    except Exception:  # noqa: BLE001 - left to the general path, which names the problem
-        return x
-
-
-def _fast_call(bm: BlockMask, key: tuple, q, k, v, out, return_lse):
-    """The steady-state call: a recipe for this signature exists and the data pointers allow it."""
-    try:
-        recipe = bm._recipes.get(key)
-    except TypeError:  # an unhashable argument (a list for causal, ...): the general path says what is wrong
-        return None
-    if recipe is None:
-        return None
-    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
-    dev = key[17]
-    if (ptrs[0] | ptrs[1] | ptrs[2]) % 16 or q.data.device_id != dev or k.data.device_id != dev \
-            or v.data.device_id != dev:
-        return None
-    cp = arrays.cupy_module()
-    B, H, N, D = q.shape
-    o = cp.empty((B, H, N, D), dtype=q.dtype) if out is None else out
-    if o.data.ptr % 16 or o.data.device_id != dev:
-        return None
-    lse = cp.empty((B, H, N), dtype=np.float32) if return_lse else None
-    recipe.launch(ptrs[0], ptrs[1], ptrs[2], o.data.ptr, 0 if lse is None else lse.data.ptr)
-    return (o, lse) if return_lse else o
-
-
-def _remember(bm: BlockMask, key: Optional[tuple], recipe: "Recipe", bias, score_mod) -> None:
-    if key is None:
-        return
-    try:
-        hash(key)
-    except TypeError:
-        return
-    if len(bm._recipes) >= MAX_RECIPES_PER_MASK:
-        bm._recipes.clear()
-    # The key holds id(bias) and id(score_mod): keep the objects alive as long as the recipe.
-    bm._recipes[key] = replace(recipe, keep=recipe.keep + (bias, score_mod))
+    return recall.Recipe.make(kernel, plan, fields)
 
 
 def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask) -> tuple[Inputs, BlockMask, Extras]:
@@ -298,15 +198,21 @@ def attention(
     """
     key = None
     if arrays.gpu_available():
-        if not arrays.is_cupy(q) and arrays.is_cuda_dlpack(q):  # torch & co.: zero-copy CuPy views, once
-            q, k, v = (to_device_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-        key = _signature(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod, fuse_mask)
-        if key is not None:
+        cp = arrays.cupy_module()
+        views = [recall.view(x, cp) for x in (q, k, v)]
+        out_view = None if out is None else recall.view(out, cp)
+        simple = bias is None or type(bias) is cp.ndarray
+        if None not in views and all(len(vw[1]) == 4 for vw in views) and (out is None or out_view is not None) \
+                and simple:
+            key = recall.signature(views + ([] if out_view is None else [out_view]),
+                                   (out is None, causal, scale, bool(return_lse), stages, id(bias), id(score_mod),
+                                    bool(fuse_mask)))
             mask = block_mask if isinstance(block_mask, BlockMask) else None
             if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
-                mask = _builtin_mask(CAUSAL_MODES[causal], q.shape[2], k.shape[2])
+                mask = _builtin_mask(CAUSAL_MODES[causal], views[0][1][2], views[1][1][2])
             if mask is not None:
-                result = _fast_call(mask, key, q, k, v, out, return_lse)
+                result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view),
+                                                return_lse, cp)
                 if result is not None:
                     return result
     host_result = arrays.is_numpy(q)
@@ -315,12 +221,14 @@ def attention(
     out = check_out(out, inp)
     require_gpu()  # every check above runs without a GPU for NumPy inputs
     inp = on_device(inp)
+    if key is not None and any(x.data.ptr != vw[0] for x, vw in zip((inp.q, inp.k, inp.v), views)):
+        key = None  # an input was copied to make its rows 16-byte aligned: the recipe would not fit it
     o, copy_into = device_out(out, inp)
     cp = arrays.cupy_module()
     lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
     recipe = _launch(inp, o, lse, bm, scale, make_plan(inp, bm, stages, extras, current_arch()), extras)
     if copy_into is None and not host_result:
-        _remember(bm, key, recipe, bias, score_mod)
+        recall.remember(bm, key, recipe, bias, score_mod)
     if copy_into is not None:
         if arrays.is_numpy(copy_into):
             copy_into[...] = o.get()
