@@ -104,6 +104,21 @@ def to_cupy(x: Any, name: str):
     return cp.asarray(np.asarray(x))
 
 
+def upload(host: np.ndarray):
+    """A device copy of a host array that never synchronizes with work already queued: an
+    asynchronous copy through pinned memory on the current stream; while that stream is being
+    captured into a CUDA graph, a copy on a side stream that is waited for (the data must exist
+    now, not when the graph is replayed)."""
+    cp = cupy_module()
+    if not cp.cuda.get_current_stream().is_capturing():
+        return cp.asarray(host, blocking=False)
+    side = cp.cuda.Stream(non_blocking=True)
+    with side:
+        device = cp.asarray(host, blocking=False)
+    side.synchronize()
+    return device
+
+
 def as_array(x: Any, name: str):
     """A NumPy or CuPy array for ``x`` without moving data between host and device: CUDA DLPack and
     CUDA-array-interface objects become zero-copy CuPy views, host DLPack objects (a CPU torch

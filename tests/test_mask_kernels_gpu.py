@@ -199,7 +199,7 @@ def test_caller_cupy_arrays_do_not_reach_the_mask():
     meta = owned.device_metadata()
     idx[0, 0, 1, 0] = 99  # out of range: it must not reach a kernel
     nb[0, 0, 0] = 3
-    assert int(owned.kv_indices[0, 0, 1, 0]) == 0 and int(meta.kv_indices[0, 1, 0]) == 0
+    assert int(owned.kv_indices[0, 0, 1, 0]) == 0 and int(meta.kv_indices[0, 0, 1, 0]) == 0
     assert int(owned.kv_num_blocks[0, 0, 0]) == 1 and int(meta.kv_num_blocks[0, 0, 0]) == 1
 
 

@@ -274,8 +274,8 @@ class BlockMask:
                                   self.partial_block_mask_indices) if a is not None]
             keep = tuple(slice(0, 1) if all(a.strides[d] == 0 for a in per_bh) else slice(None) for d in (0, 1))
 
-            # Host metadata goes up through pinned memory, asynchronously on the current stream:
-            # no synchronization, and a copy a CUDA graph can capture.
+            # Host metadata goes up without synchronizing (arrays.upload), also while a CUDA graph
+            # is being captured.
             def dev_array(a, dtype=np.int32, per_batch_head=True):
                 if a is None:
                     return None
@@ -283,7 +283,7 @@ class BlockMask:
                 if not arrays.is_cupy(a):
                     # Host arrays may be strided views (the compact causal rows): made contiguous
                     # here, on the host, so that the device needs no copy kernel.
-                    return cp.asarray(np.ascontiguousarray(a, dtype=dtype), blocking=False)
+                    return arrays.upload(np.ascontiguousarray(a, dtype=dtype))
                 return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
 
             nb = dev_array(self.kv_num_blocks)

@@ -91,8 +91,8 @@ def _device_order(bm: BlockMask, plan: Plan):
         return None
     cp = arrays.cupy_module()
     key = ("device", cp.cuda.runtime.getDevice(), plan.variant.br)
-    if key not in bm._tile_orders:  # pinned and asynchronous: no sync, capturable in a CUDA graph
-        bm._tile_orders[key] = cp.asarray(plan.q_tile_order, blocking=False)
+    if key not in bm._tile_orders:  # no synchronization, also while a graph is being captured
+        bm._tile_orders[key] = arrays.upload(plan.q_tile_order)
     return bm._tile_orders[key]
 
 
