@@ -87,6 +87,9 @@ def test_check_out_names_the_aliased_input():
     with pytest.raises(AliasError, match="o shares memory with q"):
         check_out(inp.q[:, :, ::-1], inp, "o")
     assert check_out(np.zeros((1, 2, 16, 64), np.float16), inp) is not None
+    bias = np.zeros((1, 2, 16, 64), np.float16)
+    with pytest.raises(AliasError, match="out shares memory with bias"):
+        check_out(bias, inp, inputs={"bias": bias, "lse": None})
 
 
 @pytest.mark.parametrize("make,error,message", [

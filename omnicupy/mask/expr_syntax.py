@@ -99,7 +99,6 @@ class Syntax:
     every subscript of that array is exactly that name, else None: a computed index)."""
 
     tokens: tuple
-    constants_used: frozenset
     array_index: tuple  # ((array name, (index name or None, ...)), ...)
 
     def index_names(self, array: str) -> tuple:
@@ -189,7 +188,6 @@ def check(text: str, *, constants: Iterable[str] = (), arrays: Iterable[str] = (
     if not tokens:
         raise ExpressionError("a CUDA expression must be a non-empty string")
     stack: list[_Group] = [_Group("", "top")]
-    used_constants: set = set()
     subscripts: dict[str, list] = {}
     prev: Optional[Token] = None
     prev_closed_cast = False  # the previous token is the ')' of a cast: what follows is an operand
@@ -212,9 +210,7 @@ def check(text: str, *, constants: Iterable[str] = (), arrays: Iterable[str] = (
             elif t in arrays:
                 if nxt is None or nxt.text != "[":
                     raise _refuse(text, tok.at, t, f"the lookup array {t} is only read as {t}[index]")
-            elif t in constants:
-                used_constants.add(t)
-            elif t in names or t in LITERAL_NAMES:
+            elif t in constants or t in names or t in LITERAL_NAMES:
                 pass
             elif t == SCORE_NAME:
                 raise _refuse(text, tok.at, t, "a mask expression has no score")
@@ -263,7 +259,7 @@ def check(text: str, *, constants: Iterable[str] = (), arrays: Iterable[str] = (
     if stack[0].pending_questions:
         raise ExpressionError(f"CUDA expression {text!r}: a '?' without its ':'")
     array_index = tuple(sorted((name, tuple(subs)) for name, subs in subscripts.items()))
-    return Syntax(tuple(tokens), frozenset(used_constants), array_index)
+    return Syntax(tuple(tokens), array_index)
 
 
 __all__ = ["INDEX_NAMES", "SCORE_NAME", "FUNCTIONS", "CAST_TYPES", "CPP_KEYWORDS", "Token", "Syntax", "tokenize",

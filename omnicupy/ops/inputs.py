@@ -310,8 +310,10 @@ def check_disjoint(outputs: Mapping[str, Any], inputs: Mapping[str, Any]) -> Non
                                  f"each other")
 
 
-def check_out(out: Any, inp: Inputs, name: str = "out"):
-    """Shape/dtype/layout checks of a user ``out`` (no GPU needed for NumPy); returns it as an array."""
+def check_out(out: Any, inp: Inputs, name: str = "out", *, inputs: Optional[Mapping[str, Any]] = None):
+    """Shape/dtype/layout checks of a user ``out`` (no GPU needed for NumPy): writable, each element
+    its own memory, sharing none with q, k, v or the other ``inputs`` (e.g. {"bias": ...}; None
+    entries skipped). Returns it as an array."""
     if out is None:
         return None
     shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
@@ -321,7 +323,7 @@ def check_out(out: Any, inp: Inputs, name: str = "out"):
     if out.strides[3] != out.itemsize:
         raise ArgumentError(f"{name} must be contiguous in its last dim; got strides {out.strides} bytes")
     check_writable_buffer(out, name)
-    check_disjoint({name: out}, {"q": inp.q, "k": inp.k, "v": inp.v})
+    check_disjoint({name: out}, {"q": inp.q, "k": inp.k, "v": inp.v, **(inputs or {})})
     return out
 
 
