@@ -188,7 +188,8 @@ def test_every_allowed_function_and_cast_compiles(cache):
         "omni::tanh_fast": "omni::tanh_fast(score)",
     }
     two_args = {"fminf", "fmaxf", "fmodf", "copysignf", "powf"}
-    terms = [calls.get(f, f"{f}(score, 2.0f)" if f in two_args else f"{f}(score)") for f in sorted(expr_syntax.FUNCTIONS)]
+    terms = [calls.get(f, f"{f}(score, 2.0f)" if f in two_args else f"{f}(score)")
+             for f in sorted(expr_syntax.FUNCTIONS)]
     terms += ["(float)(int)score", "(float)(bool)q_idx", "(float)true"]
     expr = CudaExpr.make(" + ".join(terms), kind="score")
     build(Variant(64, "fp16", 128, 64, 4, 2, score_expr=expr.key), "sm_80", cache=cache)

@@ -326,3 +326,31 @@ def test_feature_argument_errors(kwargs, message):
 def test_score_mod_argument_errors(factory, message):
     with pytest.raises(ArgumentError, match=message):
         factory()
+
+
+def test_check_key_accepts_what_make_writes_and_nothing_else():
+    """For the renderer (dispatch/variant.py): a key not made by CudaExpr.make is refused."""
+    from omnicupy.mask.expressions import check_key
+
+    made = CudaExpr.make("doc[q_idx] == doc[kv_idx] && q_idx - kv_idx < W && S > 0.5f && F",
+                         {"W": 7, "S": 0.1, "F": True}, {"doc": np.zeros(3, np.int32)}, kind="mask")
+    assert check_key(made.key, kind="mask") == made.key
+    for key in (score_mods.softcap(30.0).cuda.key, score_mods.alibi(8).cuda.key):
+        check_key(key)
+    text, consts, decls = made.key
+    forged = [
+        ('q_idx >= kv_idx; } extern "C" __global__ void evil() {', consts, decls),
+        (text, (("W", "int", "7; } void evil() {"),) + consts[1:], decls),
+        (text, (("W", "int", "07"),) + consts[1:], decls),
+        (text, tuple(c if c[0] != "S" else ("S", "float", "0.1f") for c in consts), decls),
+        (text, tuple(c if c[0] != "F" else ("F", "bool", "1") for c in consts), decls),
+        (text, tuple(c if c[0] != "S" else ("S", "double", "1.0e-01") for c in consts), decls),
+        (text, consts, (("doc", "long"),)),
+        (text, consts, (("doc; int x", "int"),)),
+        ("score > 0", (), ()),
+        ("just text",),
+        None,
+    ]
+    for key in forged:
+        with pytest.raises(ExpressionError):
+            check_key(key, kind="mask")

@@ -31,7 +31,8 @@ OVERLAPS = [
     pytest.param(span(BASE, (4, 64), (ROW, 2)), span(BASE + 3 * ROW, (4, 64), (ROW, 2)), True, id="last-row-shared"),
     pytest.param(span(BASE, (4, 64), (ROW, 2)), span(BASE + 4 * ROW, (4, 64), (ROW, 2)), False, id="adjacent"),
     pytest.param(span(BASE, (4, 64), (ROW, 2)), span(BASE, (4, 64), (ROW, 2), space=DEV1), False, id="other-device"),
-    pytest.param(span(BASE, (4, 64), (ROW, 2)), span(BASE, (4, 64), (ROW, 2), space="host"), False, id="host-vs-device"),
+    pytest.param(span(BASE, (4, 64), (ROW, 2)), span(BASE, (4, 64), (ROW, 2), space="host"), False,
+                 id="host-vs-device"),
     # [N, 2, D] packed buffer: slot 0 and slot 1 interleave without sharing a byte
     pytest.param(span(BASE, (8, 64), (2 * ROW, 2)), span(BASE + ROW, (8, 64), (2 * ROW, 2)), False, id="interleaved"),
     pytest.param(span(BASE, (8, 64), (2 * ROW, 2)), span(BASE + ROW - 2, (8, 64), (2 * ROW, 2)), True,

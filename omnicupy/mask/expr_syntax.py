@@ -216,9 +216,9 @@ def check(text: str, *, constants: Iterable[str] = (), arrays: Iterable[str] = (
                 raise _refuse(text, tok.at, t, "a mask expression has no score")
             else:
                 why = "a C++ keyword" if t in CPP_KEYWORDS else "not a known name"
-                raise _refuse(text, tok.at, t, f"{why}; names: {', '.join(sorted(names))}, the expression's "
-                                               f"constants and arrays, true/false, functions {', '.join(sorted(FUNCTIONS))}"
-                                               f", casts (int) (float) (bool)")
+                allowed = (f"names: {', '.join(sorted(names))}, the expression's constants and arrays, true/false, "
+                           f"functions {', '.join(sorted(FUNCTIONS))}, casts (int) (float) (bool)")
+                raise _refuse(text, tok.at, t, f"{why}; {allowed}")
         else:
             t = tok.text
             if t in ("*", "&") and not operand_before:

@@ -22,7 +22,8 @@ needs ``q_len``, ``slope[h]`` the number of heads, and so on; an array indexed b
 computed index) needs ``max(q_len, kv_len, heads, batch)`` elements unless ``extents`` declares
 what its computed index stays below (an index name, or a number of elements): that is a promise
 the caller keeps, as the index's value cannot be checked. ``CudaExpr.check_lengths`` checks a call
-(ops/inputs.py ``check_expression_arrays``).
+(ops/inputs.py ``check_expression_arrays``). ``check_key`` re-checks a key (text, constants,
+arrays) for whoever renders it, so that a key not made here cannot reach a kernel's source.
 
 Knows expressions, their constants and arrays; knows nothing of kernels beyond the names they define.
 """
@@ -241,6 +242,41 @@ class CudaExpr:
         if dev not in cache:
             cache[dev] = tuple(cp.ascontiguousarray(cp.asarray(a)) for a in self.arrays)
         return cache[dev]
+
+
+def check_key(key: tuple, *, kind: str = "score") -> tuple:
+    """Re-check a ``CudaExpr.key`` (text, constants, array declarations) before it is rendered: the
+    text against the grammar, every constant's name, C type and literal (the canonical form
+    ``_constant_literal`` writes), every array's name and C type. A key that did not come from
+    ``CudaExpr.make`` (built by hand, or read from elsewhere) is refused like a bad expression."""
+    try:
+        text, constants, array_decls = key
+        constants, array_decls = tuple(constants), tuple(array_decls)
+        for c in constants:
+            name, ctype, literal = c
+        for d in array_decls:
+            name, ctype = d
+    except (TypeError, ValueError):
+        raise ExpressionError(f"not a CUDA expression key: {key!r:.200}") from None
+    for name, ctype, literal in constants:
+        _check_name(name, "constant")
+        value = {"int": lambda: int(literal), "bool": lambda: {"true": True, "false": False}[literal],
+                 "float": lambda: float(literal[:-1]) if literal.endswith("f") else None}.get(ctype, lambda: None)
+        try:
+            parsed = value()
+        except (KeyError, ValueError, TypeError):
+            parsed = None
+        if parsed is None or _constant_literal(name, parsed) != (ctype, literal):
+            raise ExpressionError(f"constant {name!r}: {ctype} {literal!r} is not a literal omnicupy writes")
+    for name, ctype in array_decls:
+        _check_name(name, "array")
+        if ctype not in ARRAY_CTYPES.values():
+            raise ExpressionError(f"array {name!r}: C type {ctype!r} is not one of {sorted(ARRAY_CTYPES.values())}")
+    if kind not in KINDS:
+        raise ArgumentError(f"kind must be one of {KINDS}, got {kind!r}")
+    expr_syntax.check(text, constants=[c[0] for c in constants], arrays=[d[0] for d in array_decls],
+                      score=kind == "score")
+    return key
 
 
 def merge_names(*exprs: Optional[CudaExpr]) -> None:
