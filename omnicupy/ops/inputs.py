@@ -2,9 +2,9 @@
 can index), scale, bias, score modifiers and their lookup arrays, output buffers (writable, not
 overlapping the inputs or themselves), and the mask's agreement with the inputs.
 
-Every check raises a named omnicupy error (ArgumentError, MaskError, NoGPUError) before anything is
-launched; checks of NumPy inputs need no GPU. Knows arrays and the attention contract (docs/design.md,
-"Semantics"); knows nothing of kernels.
+Every check raises a named omnicupy error (ArgumentError and its kinds MaskError, ExpressionError,
+SizeLimitError, AliasError; NoGPUError) before anything is launched; checks of NumPy inputs need no
+GPU. Knows arrays and the attention contract (docs/design.md, "Semantics"); knows nothing of kernels.
 """
 from __future__ import annotations
 
