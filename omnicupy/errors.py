@@ -24,3 +24,18 @@ class NoGPUError(OmnicupyError, RuntimeError):
 
 class VariantError(OmnicupyError, ValueError):
     """A kernel variant that cannot exist (inconsistent tile, unknown family) or cannot run on an arch."""
+
+
+class ExpressionError(ArgumentError):
+    """A CUDA expression (cuda_mask, cuda_score, a mask's cuda_expr), one of its constants or one of
+    its lookup arrays is refused; the message names the offending token, constant or array."""
+
+
+class SizeLimitError(ArgumentError):
+    """An input larger than the kernels can index (32-bit positions, grid limits), refused before
+    anything is copied to the device."""
+
+
+class AliasError(ArgumentError):
+    """An output buffer that shares memory with an input or another output, or whose own elements
+    overlap (a zero or self-overlapping stride)."""

@@ -18,6 +18,9 @@ from .checks import check_positive_float
 from .errors import ArgumentError
 from .mask.expressions import CudaExpr, _elementwise
 
+#: Most heads an ALiBi modifier is made for (the kernels put heads on grid.y, at most 65535).
+MAX_HEADS = 65535
+
 
 class ScoreMod:
     """A score modifier: ``cuda`` (a CudaExpr over score, b, h, q_idx, kv_idx) and, when known, the
@@ -44,9 +47,12 @@ class ScoreMod:
 
 
 def cuda_score(expr: str, constants: Optional[Mapping[str, Any]] = None, arrays: Optional[Mapping[str, Any]] = None,
-               *, numpy_fn: Optional[Callable] = None, name: Optional[str] = None) -> ScoreMod:
-    """A score modifier from a CUDA C expression over ``score, b, h, q_idx, kv_idx`` (floats and ints)."""
-    return ScoreMod(CudaExpr.make(expr, constants, arrays), numpy_fn, name)
+               *, numpy_fn: Optional[Callable] = None, name: Optional[str] = None,
+               extents: Optional[Mapping[str, Any]] = None) -> ScoreMod:
+    """A score modifier from a CUDA C expression over ``score, b, h, q_idx, kv_idx`` (floats and ints).
+    The grammar, constants, lookup arrays and ``extents`` are checked as omnicupy.mask.expressions
+    documents (ExpressionError otherwise)."""
+    return ScoreMod(CudaExpr.make(expr, constants, arrays, extents=extents, kind="score"), numpy_fn, name)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -56,8 +62,8 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 def alibi(num_heads: int) -> ScoreMod:
     """ALiBi: ``score + slope[h] * (kv_idx - q_idx)`` with ``slope[h] = 2^(-8 (h + 1) / H)``."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-        raise ArgumentError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or not 1 <= num_heads <= MAX_HEADS:
+        raise ArgumentError(f"alibi: num_heads must be a positive int <= {MAX_HEADS}, got {num_heads!r}")
     H = int(num_heads)
     slopes = alibi_slopes(H)
 
@@ -71,7 +77,8 @@ def alibi(num_heads: int) -> ScoreMod:
 
 def softcap(cap: float) -> ScoreMod:
     """Tanh soft-capping (Gemma 2): ``cap * tanh(score / cap)``."""
-    cap = check_positive_float(cap, "softcap: cap")
+    # The kernel multiplies by 1/cap in float32: both cap and 1/cap must be normal float32 numbers.
+    cap = check_positive_float(cap, "softcap: cap", maximum=1.0 / float(np.finfo(np.float32).tiny))
 
     def numpy_fn(score, b, h, q_idx, kv_idx):
         return cap * np.tanh(score / cap)

@@ -2,6 +2,9 @@
 independently of the metadata (so a metadata or bit-order bug cannot cancel out)."""
 from __future__ import annotations
 
+import os
+import secrets
+
 import numpy as np
 
 import omnicupy
@@ -11,6 +14,34 @@ from omnicupy.mask.block_mask import cdiv
 
 NP_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}  # relative Frobenius error vs the float64 reference
+#: Set to replay a failing test's random inputs: the seed it printed (OMNICUPY_TEST_SEED=1234 pytest ...).
+SEED_VARIABLE = "OMNICUPY_TEST_SEED"
+#: (test id, seed) of the generator seeded_rng() made last (run_and_check names it in its failures).
+last_seed = (None, None)
+
+
+def _current_test() -> str:
+    """The running test's node id (pytest keeps it in $PYTEST_CURRENT_TEST: "id (phase)")."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+
+
+def seeded_rng(seed=None) -> np.random.Generator:
+    """The generator of a test's random inputs: fresh inputs on every run, but seeded and logged, so
+    that a failure can be replayed. The seed is ``seed``, else $OMNICUPY_TEST_SEED, else fresh
+    entropy; it is printed (pytest shows it beside a failure) and named by run_and_check's failures."""
+    global last_seed
+    if seed is None:
+        value = os.environ.get(SEED_VARIABLE, "").strip()
+        seed = int(value) if value else secrets.randbits(32)
+    last_seed = (_current_test(), seed)
+    print(f"random inputs: seed {seed} (replay: {SEED_VARIABLE}={seed})")
+    return np.random.default_rng(seed)
+
+
+def seed_note() -> str:
+    """`` (seed N ...)`` for assertion messages, when the running test drew its inputs from seeded_rng()."""
+    test, seed = last_seed
+    return f" (seed {seed}; replay with {SEED_VARIABLE}={seed})" if seed is not None and test == _current_test() else ""
 
 
 def random_qkv(rng, B, Hq, Nq, D, dtype="fp16", Hkv=None, Nkv=None):
@@ -130,13 +161,14 @@ def run_and_check(q, k, v, dense, dtype, *, block_mask=None, causal=False, stage
     want, want_lse = reference.attention(q, k, v, dense, scale=scale, return_lse=True, bias=bias,
                                          score_mod=score_mod)
     got = got.get().astype(np.float64)
-    assert not np.isnan(got).any(), "unwritten or NaN output"
+    note = seed_note()
+    assert not np.isnan(got).any(), "unwritten or NaN output" + note
     err = reference.relative_error(got, want)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}"
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e} > {TOLERANCE[dtype]}" + note
     empty = ~np.broadcast_to(dense, want.shape[:3] + (dense.shape[-1],)).any(axis=-1)
-    assert np.all(got[empty] == 0), "rows with no allowed key must be exactly 0"
+    assert np.all(got[empty] == 0), "rows with no allowed key must be exactly 0" + note
     if check_lse:
         lse = lse.get()
-        assert np.all(np.isneginf(lse[empty])), "empty rows must have LSE -inf"
-        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=2e-3, rtol=0)
+        assert np.all(np.isneginf(lse[empty])), "empty rows must have LSE -inf" + note
+        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=2e-3, rtol=0, err_msg="LSE" + note)
     return err, got

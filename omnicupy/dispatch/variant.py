@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from ..mask import expressions
 from . import params
 from ..errors import VariantError
 from .arch import has_wgmma, smem_limit
@@ -151,8 +152,8 @@ class Variant:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["variant_name"] = self.name
         values["smem_bytes"] = self.smem_bytes
-        values["mask_expr"] = _expr_params(self.mask_expr)
-        values["score_expr"] = _expr_params(self.score_expr)
+        values["mask_expr"] = _expr_params(self.mask_expr, "mask")
+        values["score_expr"] = _expr_params(self.score_expr, "score")
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).
         values["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
         values["params_struct"] = params.STRUCTS[self.operation].cpp()
@@ -161,9 +162,9 @@ class Variant:
         return values
 
 
-def _expr_params(key: Optional[tuple]) -> Optional[dict]:
+def _expr_params(key: Optional[tuple], kind: str) -> Optional[dict]:
     """CudaExpr.key (text, ((name, ctype, literal), ...), ((array, ctype), ...)) -> template dict."""
     if key is None:
         return None
-    text, _, array_decls = key
+    text, _, array_decls = expressions.check_key(key, kind=kind)  # a hand-made key cannot inject source
     return {"text": text, "arrays": list(array_decls)}

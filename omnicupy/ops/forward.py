@@ -20,8 +20,9 @@ from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError
 from ..mask import BlockMask, expressions
 from . import recall
-from .inputs import (Bias, Inputs, aligned, check_bias, check_device, check_mask_matches, check_out, check_qkv,
-                     check_scale, check_score_mod, check_stages, device_out, on_device, require_gpu)
+from .inputs import (Bias, Inputs, aligned, check_bias, check_bool, check_device, check_expressions, check_lse_buffer,
+                     check_mask_matches, check_out, check_qkv, check_scale, check_score_mod, check_stages, device_out,
+                     on_device, require_gpu)
 
 CAUSAL_MODES = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 
@@ -137,7 +138,7 @@ def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
         score_expr=check_score_mod(score_mod),
         mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial else None,
     )
-    expressions.merge_names(extras.mask_expr, extras.score_expr)
+    check_expressions((extras.mask_expr, extras.score_expr), inp)
     return inp, bm, extras
 
 
@@ -204,9 +205,10 @@ def attention(
         simple = bias is None or type(bias) is cp.ndarray
         if None not in views and all(len(vw[1]) == 4 for vw in views) and (out is None or out_view is not None) \
                 and simple:
+            # Scalars enter with their types: 2 and 2.0 (or 1 and True) are equal keys but not equally valid.
+            scalars = (causal, scale, return_lse, stages, fuse_mask)
             key = recall.signature(views + ([] if out_view is None else [out_view]),
-                                   (out is None, causal, scale, bool(return_lse), stages, id(bias), id(score_mod),
-                                    bool(fuse_mask)))
+                                   (out is None, id(bias), id(score_mod), *scalars, *map(type, scalars)))
             mask = block_mask if isinstance(block_mask, BlockMask) else None
             if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
                 mask = _builtin_mask(CAUSAL_MODES[causal], views[0][1][2], views[1][1][2])
@@ -218,7 +220,8 @@ def attention(
     host_result = arrays.is_numpy(q)
     inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     scale = check_scale(scale, inp.head_dim)
-    out = check_out(out, inp)
+    return_lse = check_bool(return_lse, "return_lse")
+    out = check_out(out, inp, inputs={"bias": extras.bias.array if extras.bias else None})
     require_gpu()  # every check above runs without a GPU for NumPy inputs
     inp = on_device(inp)
     if key is not None and any(x.data.ptr != vw[0] for x, vw in zip((inp.q, inp.k, inp.v), views)):
@@ -281,10 +284,8 @@ def omni_attn_mma_blockmask(
     check_device(od, "o")
     if not aligned(od):
         raise ArgumentError("o must be 16-byte aligned with row strides a multiple of 8 elements")
-    lse_d = None
-    if lse is not None:
-        lse_d = arrays.to_cupy(lse, "lse")
-        if tuple(lse_d.shape) != tuple(od.shape[:3]) or lse_d.dtype != np.float32 or not lse_d.flags.c_contiguous:
-            raise ArgumentError(f"lse must be a contiguous float32 array of shape {tuple(od.shape[:3])}")
+    if arrays.is_numpy(lse):
+        raise ArgumentError("lse must be a device array for the low-level call, got a NumPy array")
+    lse_d = None if lse is None else arrays.to_cupy(check_lse_buffer(lse, inp, od), "lse")
     _launch(inp, od, lse_d, bm, check_scale(scale, inp.head_dim), make_plan(inp, bm, stages, Extras(), current_arch()))
     return o
