@@ -108,6 +108,7 @@ class BlockMask:
         self.mask_mod = mask_mod
         self._device_cache: dict[int, DeviceMetadata] = {}
         self._tile_orders: dict = {}  # schedule.q_tile_order, per (device, tile rows)
+        self._backward_index: dict = {}  # ops/backward_index.py: the transposed index, per device
         self.features = self._validate(_features)
 
     # ------------------------------------------------------------------ shape
