@@ -258,14 +258,14 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int a_row = lane % 16, a_col = (lane / 16) * 8;
   const int bn_row = (lane / 16) * 8 + lane % 8, bn_col = ((lane / 8) % 2) * 8;
   const int bk_row = ((lane / 8) % 2) * 8 + lane % 8, bk_col = (lane / 16) * 8;
-  const u32 k_a = smem_u32(sK + (warp_row0 + a_row) * kLd + a_col);
-  const u32 v_a = smem_u32(sV + (warp_row0 + a_row) * kLd + a_col);
-  const u32 q_bn = smem_u32(sQ + bn_row * kLd + bn_col);
-  const u32 do_bn = smem_u32(sdO + bn_row * kLd + bn_col);
-  const u32 q_bk = smem_u32(sQ + bk_row * kLd + bk_col + col0);
-  const u32 do_bk = smem_u32(sdO + bk_row * kLd + bk_col + col0);
-  const u32 k_bk = smem_u32(sK + bk_row * kLd + bk_col);
-  const u32 ds_a = smem_u32(sdS + bn_row * kLdS + bn_col);
+  const u32 k_a0 = smem_u32(sK + (warp_row0 + a_row) * kLd + a_col);
+  const u32 v_a0 = smem_u32(sV + (warp_row0 + a_row) * kLd + a_col);
+  const u32 q_bn0 = smem_u32(sQ + bn_row * kLd + bn_col);
+  const u32 do_bn0 = smem_u32(sdO + bn_row * kLd + bn_col);
+  const u32 q_bk0 = smem_u32(sQ + bk_row * kLd + bk_col + col0);
+  const u32 do_bk0 = smem_u32(sdO + bk_row * kLd + bk_col + col0);
+  const u32 k_bk0 = smem_u32(sK + bk_row * kLd + bk_col);
+  const u32 ds_a0 = smem_u32(sdS + bn_row * kLdS + bn_col);
   constexpr u32 kBufBytes = kBr * kLd * 2;
 
   float acc_dk[kMT][S::kOutTiles][4], acc_dv[kMT][S::kOutTiles][4];
@@ -290,6 +290,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     const int head = hk * group + cur.g;
     const int q0 = cur.q0;
     const u32 buf_off = buf * kBufBytes;
+    // Opaque copies of the lane addresses: otherwise ptxas hoists every fragment address out of
+    // the loop as a register of its own (as in the forward kernel).
+    u32 k_a = k_a0, v_a = v_a0, q_bn = q_bn0, do_bn = do_bn0, q_bk = q_bk0, do_bk = do_bk0, k_bk = k_bk0, ds_a = ds_a0;
+    asm volatile("" : "+r"(k_a), "+r"(v_a), "+r"(q_bn), "+r"(do_bn), "+r"(q_bk), "+r"(do_bk), "+r"(k_bk), "+r"(ds_a));
     const float* lse_s = sLse + buf * kBr;
     const float* delta_s = sDelta + buf * kBr;
 
