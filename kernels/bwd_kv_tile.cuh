@@ -202,6 +202,18 @@ __device__ __forceinline__ void store_release(int* ptr, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
 }
 
+// ---------------------------------------------------------------- dQ accumulation
+// ptr[0] += a, ptr[1] += b in fp32 at L2: one vector reduction on sm_90 (half the atomic
+// instructions), two scalar ones before. ptr is 8-byte aligned (an even column).
+__device__ __forceinline__ void red_add2(float* ptr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(ptr), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(ptr, a);
+  atomicAdd(ptr + 1, b);
+#endif
+}
+
 // ================================================================ the kernel body
 template <class C, class F, class P>
 __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
@@ -219,7 +231,11 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int kv_tile = blockIdx.x / S::kPasses, pass = blockIdx.x % S::kPasses;
+  // Deterministic dQ adds each q tile's kv tiles in decreasing order (ops/backward_index.py,
+  // ranks), so the last kv tile is launched first: a CTA only ever waits for CTAs launched before it.
+  const int kv_tiles = gridDim.x / S::kPasses, pass = blockIdx.x % S::kPasses;
+  const int kv_tile = p.dq_semaphore != nullptr ? kv_tiles - 1 - static_cast<int>(blockIdx.x) / S::kPasses
+                                                : static_cast<int>(blockIdx.x) / S::kPasses;
   const int hk = blockIdx.y, batch = blockIdx.z;
   const int kv0 = kv_tile * kBc;
   const int col0 = pass * C::kDOut;  // first dK/dV/dQ column of this CTA
@@ -313,41 +329,52 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       bits = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (q0 - cur.q_block * p.q_block_size)) * words;
     }
     float grad[kMT][kNT][4];
+    if (!C::kTransformScores && !partial && !causal_cut && !kv_tail) {
+      // A tile with nothing to mask or transform: P straight from the raw scores.
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+        for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {  // j: column 2(l%4) + j; i = j (row l/4) and j + 2 (row l/4 + 8)
-          const int q_local = nt * 8 + (lane % 4) * 2 + j;
-          const int q = q0 + q_local;
-          const float lse2 = lse_s[q_local];
-          u32 word = 0;
-          // The 16 kv rows of an m16 tile start 16-aligned within the block: one word holds them.
-          const int kv_bit0 = kv_in_block + warp_row0 + mt * 16;  // bit of the tile's first kv row
-          if (!C::kFuseMask && partial) word = __ldg(bits + q_local * words + kv_bit0 / 32);
+          for (int i = 0; i < 4; ++i)
+            acc_s[mt][nt][i] = exp2_approx(fmaf(acc_s[mt][nt][i], p.scale_log2, -lse_s[nt * 8 + (lane % 4) * 2 + (i % 2)]));
+    } else {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = j + 2 * half;
-            const int kv_local = warp_row0 + mt * 16 + lane / 4 + half * 8;
-            const int kv = kv0 + kv_local;
-            float s = acc_s[mt][nt][i];
-            grad[mt][nt][i] = 0.f;
-            if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, grad[mt][nt][i]);
-            bool ok = !kv_tail || kv < kv_len;
-            if (partial) {
-              if (C::kFuseMask) {
-                ok = ok && q < q_len && F::mask(batch, head, q, kv, p);
-              } else {
-                ok = ok && ((word >> (kv_bit0 % 32 + lane / 4 + half * 8)) & 1u) != 0;
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {  // j: column 2(l%4) + j; i = j (row l/4) and j + 2 (row l/4 + 8)
+            const int q_local = nt * 8 + (lane % 4) * 2 + j;
+            const int q = q0 + q_local;
+            const float lse2 = lse_s[q_local];
+            u32 word = 0;
+            // The 16 kv rows of an m16 tile start 16-aligned within the block: one word holds them.
+            const int kv_bit0 = kv_in_block + warp_row0 + mt * 16;  // bit of the tile's first kv row
+            if (!C::kFuseMask && partial) word = __ldg(bits + q_local * words + kv_bit0 / 32);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int i = j + 2 * half;
+              const int kv_local = warp_row0 + mt * 16 + lane / 4 + half * 8;
+              const int kv = kv0 + kv_local;
+              float s = acc_s[mt][nt][i];
+              grad[mt][nt][i] = 0.f;
+              if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, grad[mt][nt][i]);
+              bool ok = !kv_tail || kv < kv_len;
+              if (partial) {
+                if (C::kFuseMask) {
+                  ok = ok && q < q_len && F::mask(batch, head, q, kv, p);
+                } else {
+                  ok = ok && ((word >> (kv_bit0 % 32 + lane / 4 + half * 8)) & 1u) != 0;
+                }
+              } else if (causal_cut) {
+                ok = ok && q >= kv;
               }
-            } else if (causal_cut) {
-              ok = ok && q >= kv;
+              // Masked scores and rows with no allowed key (lse_log2 = +inf) give exactly 0.
+              acc_s[mt][nt][i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
             }
-            // Masked scores and rows with no allowed key (lse_log2 = +inf) give exactly 0.
-            acc_s[mt][nt][i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
           }
-        }
+    }
 
     // ---- dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
     float acc_dp[kMT][kNT][4];
@@ -398,7 +425,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       int turn = 0;
       if (deterministic) {
         const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-        turn = __ldg(p.q_rank + row * p.t_width + cur.slot) + kv_in_block / kBc;
+        turn = __ldg(p.q_rank + row * p.t_width + cur.slot) - kv_in_block / kBc;
         sem = p.dq_semaphore + ((bh * (p.q_len_pad / kBr) + q0 / kBr) * S::kPasses + pass);
       }
 #pragma unroll 1
@@ -431,13 +458,14 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 #pragma unroll
         for (int mt = 0; mt < S::kDqMTiles; ++mt)
 #pragma unroll
-          for (int dt = 0; dt < S::kDqChunk / 8; ++dt)
+          for (int half = 0; half < 2; ++half) {
+            const int q = q0 + m0 + mt * 16 + lane / 4 + half * 8;
+            if (q >= q_len) continue;
+            float* row = p.dq_accum + (bh * q_len + q) * C::kHeadDim + col0 + c0 + chunk + (lane % 4) * 2;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int q = q0 + m0 + mt * 16 + lane / 4 + (i / 2) * 8;
-              const int col = col0 + c0 + chunk + dt * 8 + (lane % 4) * 2 + (i % 2);
-              if (q < q_len) atomicAdd(p.dq_accum + (bh * q_len + q) * C::kHeadDim + col, acc_dq[mt][dt][i]);
-            }
+            for (int dt = 0; dt < S::kDqChunk / 8; ++dt)
+              red_add2(row + dt * 8, acc_dq[mt][dt][2 * half], acc_dq[mt][dt][2 * half + 1]);
+          }
       }
       if (deterministic) {  // hand the q tile to the next kv tile
         __threadfence();

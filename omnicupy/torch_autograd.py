@@ -56,12 +56,14 @@ class _OmnicupyAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        # DLPack refuses tensors that require grad: hand omnicupy detached views (no copies).
+        q, k, v, out, lse = (t.detach() for t in ctx.saved_tensors)
         block_mask, causal, scale, bias, score_mod, deterministic, fuse_mask = ctx.options
+        dout = dout.detach()
         if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum(): omnicupy wants the last dim contiguous
             dout = dout.contiguous()
         with _on_torch_stream(q.device):
-            dq, dk, dv = attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, block_mask,
+            dq, dk, dv = attention_backward(dout, q, k, v, out, lse, block_mask,
                                             causal=causal, scale=scale, bias=bias, score_mod=score_mod,
                                             deterministic=deterministic, fuse_mask=fuse_mask)
         return _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None, None, None, None, None, None

@@ -61,9 +61,9 @@ def test_transposed_index_matches_brute_force(Bm, Hm, q_len, kv_len, qbs, kbs, s
 
 
 @pytest.mark.parametrize("kv_tile", [32, 64])
-def test_dq_turns_count_earlier_kv_tiles(kv_tile):
-    """Each listed pair's rank is the number of kv tiles of earlier listed kv blocks in its q row;
-    the turns rank + t of one q block's kv tiles are then 0, 1, 2, ... with no gap or repeat."""
+def test_dq_turns_go_down_the_kv_tiles(kv_tile):
+    """The turns rank - t of one q block's kv tiles are 0, 1, 2, ... in decreasing kv tile order,
+    with no gap or repeat (the kernel's deterministic dQ order)."""
     seed = 4242 + kv_tile
     rng = np.random.default_rng(seed)
     kv_len, kbs = 1000, 128  # the last kv block is cut by kv_len: it has fewer tiles
@@ -79,9 +79,9 @@ def test_dq_turns_count_earlier_kv_tiles(kv_tile):
             first_tile = kb * (kbs // kv_tile)
             for t in range(kbs // kv_tile):
                 if first_tile + t < kv_tiles:
-                    turns.setdefault((b, h, qb), []).append((first_tile + t, int(rank[row, s]) + t))
+                    turns.setdefault((b, h, qb), []).append((first_tile + t, int(rank[row, s]) - t))
     for key, pairs in turns.items():
-        pairs.sort()
+        pairs.sort(reverse=True)  # last kv tile first
         assert [turn for _, turn in pairs] == list(range(len(pairs))), f"seed {seed}, q row {key}"
 
 
