@@ -156,6 +156,13 @@ def test_backward_tile_divides_blocks_and_fits(head_dim, qbs, kbs):
         assert tiles.BwdTile(v.br, v.bc, v.warps, v.stages).fits(head_dim)
 
 
+def test_backward_tables_fit_their_head_dims():
+    for table in (tiles.BACKWARD_TILES, tiles.BACKWARD_FEATURE_TILES):
+        for head_dim, tile in table.items():
+            assert tile.fits(head_dim), (head_dim, tile)
+            assert tiles.backward_variant(tile, head_dim, "fp16", True, True).runs_on("sm_90")
+
+
 def test_score_grad_is_part_of_the_name():
     sc = score_mods.softcap(3.0)
     a = tiles.select_backward_variant(64, "fp16", 128, 128, False, False, score_expr=sc.cuda.key, score_grad="1.0f")
