@@ -468,8 +468,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
           }
       }
       if (deterministic) {  // hand the q tile to the next kv tile
-        // The barrier orders every warp's reductions before thread 0's release store, which is
-        // cumulative over them (the split-K semaphore pattern): no fence per thread is needed.
+        __threadfence();
         __syncthreads();
         if (tid == 0) store_release(sem, turn + 1);
       }

@@ -198,7 +198,7 @@ BACKWARD_TILES: dict[int, BwdTile] = {
 }
 #: With a bias or score modifier (more registers per score: 32-row q tiles).
 BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
-    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 128, 8), 128: BwdTile(32, 128, 8),
+    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 64, 4), 128: BwdTile(32, 128, 8),
     256: BwdTile(32, 64, 4),
 }
 #: For block sizes the tuned tile does not divide, or shared memory it does not fit; most preferred first.
