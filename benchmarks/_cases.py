@@ -389,6 +389,8 @@ def skip_reason(system: str, case: Case) -> Optional[str]:
     """Why ``system`` does not run ``case`` (None when it does)."""
     if system == OMNICUPY_DETERMINISTIC and case.pass_name == "fwd":
         return "deterministic changes only the backward"
+    if system.startswith("omnicupy_stage") and case.pass_name == "bwd":
+        return "stages pick the forward's pipeline; the backward alone is the omnicupy column"
     if system in (SDPA_FLASH, SDPA_CUDNN) and case.mask not in SDPA_MASKS:
         return "SDPA has no block-sparse masks"
     if system == FLEX and case.head_dim > FLEX_MAX_HEAD_DIM:

@@ -31,6 +31,8 @@ def test_plan_carries_the_pass_and_det_runs_only_backward():
     assert _cases.skip_reason(_cases.OMNICUPY_DETERMINISTIC, cases[0]) is None
     fwd = _cases.plan(("full",), (64,), (8192,), ("fp16",))[0]
     assert _cases.skip_reason(_cases.OMNICUPY_DETERMINISTIC, fwd) is not None
+    assert _cases.skip_reason("omnicupy_stage1", cases[0]) is not None  # the backward has no stages
+    assert _cases.skip_reason("omnicupy_stage1", fwd) is None
 
 
 def test_command_line_pass_and_systems():
