@@ -101,7 +101,7 @@ def attention(
     form) is applied after that. Returns ``out`` (float64) or ``(out, lse)`` with natural-log LSE.
     """
     prep = _Prepared.make(q, k, v, mask, scale, bias)
-    q64, k64, v64, group = prep.q, prep.k, prep.v, prep.group
+    q64, v64, group = prep.q, prep.v, prep.group
     B, Hq, Nq, _ = q64.shape
     out = np.zeros((B, Hq, Nq, v64.shape[3]), dtype=np.float64)
     lse = np.full((B, Hq, Nq), -np.inf, dtype=np.float64)
