@@ -42,6 +42,14 @@ FLEX = "flex"
 SDPA_FLASH = "sdpa_flash"
 SDPA_CUDNN = "sdpa_cudnn"
 SYSTEMS = ("omnicupy_stage1", "omnicupy_stage2", OMNICUPY, FLEX, SDPA_FLASH, SDPA_CUDNN)
+#: Systems run only when named in --systems: omnicupy's backward with deterministic=True.
+OMNICUPY_DETERMINISTIC = "omnicupy_det"
+EXTRA_SYSTEMS = (OMNICUPY_DETERMINISTIC,)
+
+#: What a run times (--pass) and its FLOPs in units of the forward's 4·B·H·pairs·D: the backward
+#: counts 2.5 times the forward (five matrix products to the forward's two), forward+backward 3.5.
+PASSES = ("fwd", "bwd", "fwdbwd")
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 #: Masks SDPA can express (is_causal=True or nothing).
 SDPA_MASKS = ("full", "causal")
@@ -369,14 +377,20 @@ class Case:
     dtype: str
     batch: int
     heads: int = HEADS
+    pass_name: str = "fwd"  # one of PASSES
 
     @property
     def key(self) -> str:
-        return f"{self.mask} D={self.head_dim} N={self.seq_len} {self.dtype} B={self.batch} H={self.heads}"
+        key = f"{self.mask} D={self.head_dim} N={self.seq_len} {self.dtype} B={self.batch} H={self.heads}"
+        return key if self.pass_name == "fwd" else f"{key} {self.pass_name}"
 
 
 def skip_reason(system: str, case: Case) -> Optional[str]:
     """Why ``system`` does not run ``case`` (None when it does)."""
+    if system == OMNICUPY_DETERMINISTIC and case.pass_name == "fwd":
+        return "deterministic changes only the backward"
+    if system.startswith("omnicupy_stage") and case.pass_name == "bwd":
+        return "stages pick the forward's pipeline; the backward alone is the omnicupy column"
     if system in (SDPA_FLASH, SDPA_CUDNN) and case.mask not in SDPA_MASKS:
         return "SDPA has no block-sparse masks"
     if system == FLEX and case.head_dim > FLEX_MAX_HEAD_DIM:
@@ -384,13 +398,15 @@ def skip_reason(system: str, case: Case) -> Optional[str]:
     return None
 
 
-def plan(masks, head_dims, seq_lens, dtypes) -> list[Case]:
+def plan(masks, head_dims, seq_lens, dtypes, pass_name: str = "fwd") -> list[Case]:
     """Cases in run order: dtype, head dim, sequence length, then mask (inputs are shared per shape)."""
-    return [Case(m, n, d, t, batch_for(n)) for t in dtypes for d in head_dims for n in seq_lens for m in masks]
+    return [Case(m, n, d, t, batch_for(n), pass_name=pass_name)
+            for t in dtypes for d in head_dims for n in seq_lens for m in masks]
 
 
 __all__ = [
     "MaskCase", "Case", "make_mask", "count_pairs", "density", "batch_for", "attention_flops", "tflops", "plan",
+    "PASSES", "PASS_FLOPS", "EXTRA_SYSTEMS", "OMNICUPY_DETERMINISTIC",
     "skip_reason", "resolve_product_mod", "masks_module", "sample_rows", "document_ids", "interleaved_segments",
     "random_block_tables", "hash_bit", "dense_mod",
     "MASK_NAMES", "HEAD_DIMS", "SEQ_LENS", "DTYPES", "SYSTEMS", "DEFAULT_SEQ_LENS", "HEADS", "TOKENS", "BLOCK",

@@ -25,9 +25,9 @@ def make_row(system: str, case: _cases.Case, density: float, pairs: int, ms: Opt
     """One measured (or rejected) system on one case. A wrong result has ms and tflops None."""
     if correct is False:
         ms = None
-    flops = _cases.attention_flops(case.batch, case.heads, pairs, case.head_dim)
+    flops = _cases.attention_flops(case.batch, case.heads, pairs, case.head_dim) * _cases.PASS_FLOPS[case.pass_name]
     tf = _cases.tflops(flops, ms)
-    return {
+    row = {
         "system": system,
         "mask": case.mask,
         "head_dim": case.head_dim,
@@ -40,6 +40,9 @@ def make_row(system: str, case: _cases.Case, density: float, pairs: int, ms: Opt
         "tflops": None if tf is None else round(tf, 3),
         "correct": correct,
     }
+    if case.pass_name != "fwd":  # forward rows keep the keys of earlier results.json files
+        row["pass"] = case.pass_name
+    return row
 
 
 def median(values: Iterable[float]) -> float:

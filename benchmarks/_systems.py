@@ -22,6 +22,8 @@ from . import _cases, _report
 
 #: Relative Frobenius error allowed against the float64 reference (DESIGN.md §1).
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}
+#: The same for each gradient of the backward passes (every system rounds P and dS to 16 bits).
+GRAD_TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2}
 #: Inputs rotate among enough copies to exceed this many times the L2 cache.
 L2_MULTIPLE = 4
 MIN_COPIES, MAX_COPIES = 2, 16
@@ -147,6 +149,30 @@ class Inputs:
 
     cupy_sets: list
     torch_sets: Optional[list]
+    #: output gradients per set for the backward passes: (CuPy, torch or None), made on first use
+    _douts: Optional[list] = None
+
+    def douts(self, seed: int) -> list:
+        """One random dO per input set, as (CuPy array, torch tensor or None) sharing memory."""
+        if self._douts is None:
+            import cupy as cp
+
+            rng = cp.random.default_rng(seed)
+            made = []
+            for q, _, _ in self.cupy_sets:
+                d = rng.standard_normal(q.shape, dtype=cp.float32)
+                try:
+                    d = d.astype(q.dtype)
+                except Exception:  # noqa: BLE001 - a CuPy that cannot cast to bf16 on the device
+                    d = cp.asarray(cp.asnumpy(d).astype(q.dtype))
+                made.append(d)
+            if self.torch_sets is not None:
+                import torch
+
+                self._douts = [(d, torch.from_dlpack(d)) for d in made]
+            else:
+                self._douts = [(d, None) for d in made]
+        return self._douts
 
     @property
     def copies(self) -> int:
@@ -217,15 +243,92 @@ class Reference:
         return self._reference.relative_error(actual, self.expected)
 
 
+class GradReference:
+    """float64 gradients (dq, dk, dv) of two (b, h) pairs of input set 0, computed on the GPU with
+    CuPy from the element mask (every row: a gradient of k or v sums over all queries)."""
+
+    def __init__(self, mask: _cases.MaskCase, case: _cases.Case, inputs: Inputs, seed: int) -> None:
+        cp = _cupy()
+        n = case.seq_len
+        self.heads = sorted({(0, 0), (case.batch - 1, case.heads - 1)})
+        allowed = cp.asarray(mask.rows(np.arange(n)))
+        q, k, v = inputs.cupy_sets[0]
+        dout = inputs.douts(seed)[0][0]
+        scale = 1.0 / math.sqrt(case.head_dim)
+        self.expected = []
+        for b, h in self.heads:
+            qh, kh, vh, dh = (device_f64(x[b, h]) for x in (q, k, v, dout))
+            s = cp.where(allowed, (qh @ kh.T) * scale, -cp.inf)
+            row_max = s.max(axis=1, keepdims=True)
+            p = cp.exp(s - cp.where(cp.isfinite(row_max), row_max, 0.0))
+            del s
+            total = p.sum(axis=1, keepdims=True)
+            p /= cp.where(total > 0, total, 1.0)
+            dp = dh @ vh.T
+            dp -= (p * dp).sum(axis=1, keepdims=True)  # dP - rowsum(dO * O)
+            dp *= p  # dS
+            self.expected.append(((dp @ kh) * scale, (dp.T @ qh) * scale, p.T @ dh))
+            del p, dp
+        cp.get_default_memory_pool().free_all_blocks()
+
+    def error(self, grads: Any) -> float:
+        """The largest relative Frobenius error of dq, dk, dv over the two heads; inf for NaN/inf."""
+        cp = _cupy()
+        worst = 0.0
+        for i in range(3):
+            got = cp.concatenate([device_f64(grads[i][b, h]).ravel() for b, h in self.heads])
+            want = cp.concatenate([e[i].ravel() for e in self.expected])
+            if not bool(cp.isfinite(got).all()):
+                return float("inf")
+            worst = max(worst, float(cp.linalg.norm(got - want) / cp.linalg.norm(want)))
+        return worst
+
+
+def _cupy():
+    import cupy as cp
+
+    return cp
+
+
+def device_f64(x: Any):
+    """A float64 CuPy copy of a torch tensor or CuPy array (fp16 or bf16), on the device."""
+    cp = _cupy()
+    if _is_torch(x):
+        return cp.from_dlpack(x.detach().float().contiguous()).astype(cp.float64)
+    try:
+        return x.astype(cp.float64)
+    except Exception:  # noqa: BLE001 - a CuPy without bf16 casts: rebuild floats from the bits
+        bits = x.view(cp.uint16).astype(cp.uint32) << 16
+        return bits.view(cp.float32).astype(cp.float64)
+
+
+def reference_for(mask: _cases.MaskCase, case: _cases.Case, bench: "Bench", seed: int):
+    """The check of a case: sampled output rows (forward) or two heads' gradients (backward passes)."""
+    if case.pass_name == "fwd":
+        return Reference(mask, case, bench.inputs, seed)
+    return GradReference(mask, case, bench.inputs, bench.seed)
+
+
 # --------------------------------------------------------------------------- systems
 class System:
-    """A way to compute attention on a case. ``prepare`` returns ``fn(i)`` on input set i."""
+    """A way to compute attention on a case. ``prepare`` returns ``fn(i)`` on input set i (the
+    forward); ``prepare_pass`` the function the case's pass times (forward, backward, or both)."""
 
     name = ""
     needs_torch = False
 
     def prepare(self, case: _cases.Case, mask: _cases.MaskCase, bench: "Bench") -> Callable[[int], Any]:
         raise NotImplementedError
+
+    def prepare_pass(self, case: _cases.Case, mask: _cases.MaskCase, bench: "Bench") -> Callable[[int], Any]:
+        if case.pass_name == "fwd":
+            return self.prepare(case, mask, bench)
+        return self.prepare_backward(case, mask, bench, with_forward=case.pass_name == "fwdbwd")
+
+    def prepare_backward(self, case, mask, bench, with_forward: bool) -> Callable[[int], Any]:
+        """``fn(i)`` returning (dq, dk, dv) for input set i: the backward of a forward run here once
+        per set (``with_forward``: the forward inside fn too)."""
+        raise NotImplementedError(f"{self.name} has no backward pass")
 
     def context(self):
         return contextlib.nullcontext()
@@ -235,9 +338,10 @@ class System:
 
 
 class Omnicupy(System):
-    def __init__(self, name: str, stages: Optional[int]) -> None:
+    def __init__(self, name: str, stages: Optional[int], deterministic: bool = False) -> None:
         self.name = name
         self.stages = stages
+        self.deterministic = deterministic
 
     def prepare(self, case, mask, bench):
         import omnicupy
@@ -246,18 +350,54 @@ class Omnicupy(System):
         sets, stages = bench.inputs.cupy_sets, self.stages
         return lambda i: omnicupy.attention(*sets[i], bm, stages=stages)
 
+    def prepare_backward(self, case, mask, bench, with_forward):
+        import omnicupy
 
-class Flex(System):
+        bm = bench.omnicupy_mask(mask)
+        sets, stages, det = bench.inputs.cupy_sets, self.stages, self.deterministic
+        douts = [d for d, _ in bench.inputs.douts(bench.seed)]
+        if with_forward:
+            def fn(i):
+                out, lse = omnicupy.attention(*sets[i], bm, stages=stages, return_lse=True)
+                return omnicupy.attention_backward(douts[i], *sets[i], out, lse, bm, deterministic=det)
+            return fn
+        saved = [omnicupy.attention(*s, bm, stages=stages, return_lse=True) for s in sets]
+        return lambda i: omnicupy.attention_backward(douts[i], *sets[i], *saved[i], bm, deterministic=det)
+
+
+class TorchBackward:
+    """The backward of a torch attention function through autograd: ``attend(q, k, v)`` on leaves
+    that share the inputs' memory; gradients by ``torch.autograd.grad``."""
+
+    def attend(self, case, mask, bench) -> Callable:
+        raise NotImplementedError
+
+    def prepare_backward(self, case, mask, bench, with_forward):
+        import torch
+
+        attend = self.attend(case, mask, bench)
+        leaves = [tuple(t.detach().requires_grad_() for t in s) for s in bench.inputs.torch_sets]
+        douts = [t for _, t in bench.inputs.douts(bench.seed)]
+        if with_forward:
+            return lambda i: torch.autograd.grad(attend(*leaves[i]), leaves[i], douts[i])
+        outs = [attend(*leaf) for leaf in leaves]
+        return lambda i: torch.autograd.grad(outs[i], leaves[i], douts[i], retain_graph=True)
+
+
+class Flex(TorchBackward, System):
     name = _cases.FLEX
     needs_torch = True
 
     def prepare(self, case, mask, bench):
+        attend, sets = self.attend(case, mask, bench), bench.inputs.torch_sets
+        return lambda i: attend(*sets[i])
+
+    def attend(self, case, mask, bench):
         flex, bm = bench.flex_function(), bench.flex_mask(mask)
-        sets = bench.inputs.torch_sets
-        return lambda i: flex(*sets[i], block_mask=bm)
+        return lambda q, k, v: flex(q, k, v, block_mask=bm)
 
 
-class Sdpa(System):
+class Sdpa(TorchBackward, System):
     needs_torch = True
 
     def __init__(self, name: str, backend: str) -> None:
@@ -270,15 +410,19 @@ class Sdpa(System):
         return sdpa_kernel([getattr(SDPBackend, self.backend)])
 
     def prepare(self, case, mask, bench):
+        attend, sets = self.attend(case, mask, bench), bench.inputs.torch_sets
+        return lambda i: attend(*sets[i])
+
+    def attend(self, case, mask, bench):
         import torch.nn.functional as F
 
         causal = case.mask == "causal"
-        sets = bench.inputs.torch_sets
-        return lambda i: F.scaled_dot_product_attention(*sets[i], is_causal=causal)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def make_systems(names: list[str]) -> list[System]:
     table = {_cases.OMNICUPY: lambda: Omnicupy(_cases.OMNICUPY, None), _cases.FLEX: Flex,
+             _cases.OMNICUPY_DETERMINISTIC: lambda: Omnicupy(_cases.OMNICUPY_DETERMINISTIC, None, deterministic=True),
              _cases.SDPA_FLASH: lambda: Sdpa(_cases.SDPA_FLASH, "FLASH_ATTENTION"),
              _cases.SDPA_CUDNN: lambda: Sdpa(_cases.SDPA_CUDNN, "CUDNN_ATTENTION")}
     out = []
@@ -488,7 +632,7 @@ class Bench:
         dens = _cases.density(pairs, case.seq_len)
         clock = system.clock(self.gpu)
         with system.context():
-            fn = system.prepare(case, mask, self)
+            fn = system.prepare_pass(case, mask, self)
             clock.sync()
             start = time.perf_counter()
             out = fn(0)
@@ -498,12 +642,13 @@ class Bench:
                                     "seq_len": case.seq_len, "dtype": case.dtype, "seconds": round(first, 4),
                                     "cache": self.cache_label})
             correct, err = None, None
+            tolerance = (TOLERANCE if case.pass_name == "fwd" else GRAD_TOLERANCE)[case.dtype]
             if self.check:
                 err = reference().error(out)
-                correct = bool(err <= TOLERANCE[case.dtype])  # NaN/inf compare False
+                correct = bool(err <= tolerance)  # NaN/inf compare False
             del out
             if correct is False:
-                self.log(f"  {system.name:16s} WRONG: relative error {err:.3e} > {TOLERANCE[case.dtype]:.0e} "
+                self.log(f"  {system.name:16s} WRONG: relative error {err:.3e} > {tolerance:.0e} "
                          f"(first call {first:.2f} s); not timed")
                 return _report.make_row(system.name, case, dens, pairs, None, False)
             ms = time_ms(fn, self.inputs.copies, clock, self.warmup, self.rep)
@@ -525,5 +670,6 @@ def print_exception(context: str) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
-__all__ = ["Gpu", "Inputs", "make_inputs", "Reference", "System", "make_systems", "time_ms", "Bench", "TOLERANCE",
-           "host_f64", "copies_for", "print_exception"]
+__all__ = ["Gpu", "Inputs", "make_inputs", "Reference", "GradReference", "reference_for", "System", "make_systems",
+           "time_ms", "Bench", "TOLERANCE", "GRAD_TOLERANCE", "host_f64", "device_f64", "copies_for",
+           "print_exception"]

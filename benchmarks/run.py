@@ -2,11 +2,15 @@
 
     PYTHONPATH=. python -m benchmarks.run [--quick] [--masks causal,document] [--head-dims 64,128]
         [--seq-lens 8192] [--dtypes fp16,bf16] [--systems omnicupy,flex] [--out DIR] [--budget 540]
+        [--pass fwd|bwd|fwdbwd]
     python -m benchmarks.run --dry-run        # the plan and the mask densities, no GPU needed
 
 Every system's output is checked against the float64 reference on sampled rows before it is timed;
 a wrong result is reported as WRONG and not timed. Effective TFLOP/s = 4·B·H·(allowed pairs)·D / time,
-pairs counted exactly from the element mask. Writes <out>/results.json (after every row),
+pairs counted exactly from the element mask. ``--pass bwd`` times the backward alone (gradients of
+q, k, v from a saved forward; checked against float64 gradients of two heads; FLOPs 2.5x the
+forward's), ``--pass fwdbwd`` both (3.5x); ``--systems ...,omnicupy_det`` adds omnicupy's backward
+with deterministic=True. Writes <out>/results.json (after every row),
 <out>/results.md, <out>/chart.png, and benchmarks/results/latest.json; prints the table last.
 See BENCHMARKS.md.
 """
@@ -54,6 +58,7 @@ class Config:
     quick: bool
     resume: Optional[str] = None
     report: Optional[str] = None
+    pass_name: str = "fwd"
 
 
 def _split(text: str) -> list[str]:
@@ -100,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       f"{','.join(map(str, _cases.SEQ_LENS))}); "
                                       f"batch = max(1, {_cases.TOKENS} // N), {_cases.HEADS} heads")
     p.add_argument("--dtypes", help="comma list (default fp16,bf16)")
-    p.add_argument("--systems", help=f"comma list or 'all' (default all): {', '.join(_cases.SYSTEMS)}")
+    p.add_argument("--systems", help=f"comma list or 'all' (default all): {', '.join(_cases.SYSTEMS)}; also "
+                                     f"{', '.join(_cases.EXTRA_SYSTEMS)} (backward with deterministic=True)")
+    p.add_argument("--pass", dest="pass_name", choices=_cases.PASSES, default="fwd",
+                   help="what to time: fwd (default), bwd (the backward from a saved forward), fwdbwd (both)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: N=4096, D=128, fp16, all masks, 3 warm-up / 10 timed calls (explicit flags win)")
     p.add_argument("--out", help="output folder (default benchmarks/results/<UTC time>)")
@@ -132,7 +140,7 @@ def parse_args(argv=None) -> Config:
         "seq_lens": _choose(parser, "--seq-lens", a.seq_lens, _AnySeqLen(_cases.SEQ_LENS), int,
                             expect=f"a positive multiple of {_cases.BLOCK}"),
         "dtypes": _choose(parser, "--dtypes", a.dtypes, _cases.DTYPES, lambda s: DTYPE_ALIASES[s.lower()]),
-        "systems": _choose(parser, "--systems", a.systems, _cases.SYSTEMS),
+        "systems": _choose(parser, "--systems", a.systems, _cases.SYSTEMS + _cases.EXTRA_SYSTEMS),
         "warmup": a.warmup,
         "rep": a.rep,
     }
@@ -145,8 +153,11 @@ def parse_args(argv=None) -> Config:
         parser.error("--mask-repeats must be >= 0")
     if a.budget is not None and a.budget <= 0:
         parser.error("--budget must be positive")
+    if a.systems is not None and a.systems.strip() == "all":  # the extra systems only when named
+        picked["systems"] = _cases.SYSTEMS
     return Config(out=a.out, check=a.check, dry_run=a.dry_run, cold_compile=a.cold_compile, budget=a.budget,
-                  mask_repeats=a.mask_repeats, chart=a.chart, quick=a.quick, resume=a.resume, report=a.report, **picked)
+                  mask_repeats=a.mask_repeats, chart=a.chart, quick=a.quick, resume=a.resume, report=a.report,
+                  pass_name=a.pass_name, **picked)
 
 
 def log(message: str) -> None:
@@ -179,8 +190,8 @@ def dry_run(cfg: Config) -> int:
     if any(_cases.make_mask(m, 1024).flex_dense for m in cfg.masks):
         log("flex mask_mod 'dense[q, kv]': the rule evaluated once into a bool [N, N] tensor (flex cannot "
             "compile the random rule inline)")
-    cases = _cases.plan(cfg.masks, cfg.head_dims, cfg.seq_lens, cfg.dtypes)
-    log(f"cases: {len(cases)}")
+    cases = _cases.plan(cfg.masks, cfg.head_dims, cfg.seq_lens, cfg.dtypes, cfg.pass_name)
+    log(f"cases: {len(cases)} (pass: {cfg.pass_name})")
     for case in cases:
         run = [s for s in cfg.systems if _cases.skip_reason(s, case) is None]
         skipped = sorted({_cases.skip_reason(s, case) for s in cfg.systems} - {None})
@@ -268,7 +279,7 @@ def _run(cfg: Config, cache_label: str) -> int:
         config["resumed_from"] = str(cfg.resume)
         log(f"resuming from {cfg.resume}: {len(rows)} rows kept, their cases are not run again")
 
-    cases = _cases.plan(cfg.masks, cfg.head_dims, cfg.seq_lens, cfg.dtypes)
+    cases = _cases.plan(cfg.masks, cfg.head_dims, cfg.seq_lens, cfg.dtypes, cfg.pass_name)
     masks: dict = {}
     shape = None
     finished = True
@@ -308,7 +319,9 @@ def _run(cfg: Config, cache_label: str) -> int:
 
 
 def _row_key(system: str, row: dict) -> tuple:
-    return (system, row["mask"], row["head_dim"], row["seq_len"], row["dtype"])
+    # rows carry "pass"; a Case (asdict) carries "pass_name"
+    return (system, row["mask"], row["head_dim"], row["seq_len"], row["dtype"],
+            row.get("pass", row.get("pass_name", "fwd")))
 
 
 def _load_previous(path: str) -> dict:
@@ -345,7 +358,7 @@ def _run_case(cfg, bench, systems, case, masks, rows, errors, started, save) -> 
 
     def get_reference():
         if "value" not in reference:
-            reference["value"] = _systems.Reference(mask, case, bench.inputs, seed=_cases.SEED)
+            reference["value"] = _systems.reference_for(mask, case, bench, seed=_cases.SEED)
         return reference["value"]
 
     for system in systems:
@@ -364,13 +377,15 @@ def _finish(cfg, out: Optional[Path], meta, rows, errors, mask_build, first_call
             latest: bool) -> None:
     """Summaries, then results.md and the chart (when ``out``), then the table last."""
     table = _report.format_table(rows, errors)
+    passes = sorted({r.get("pass", "fwd") for r in rows} - {"fwd"})
     builds = _build_table(mask_build)
     firsts = _first_call_summary(first_call)
     wrong = [r for r in rows if r["correct"] is False]
     md = [f"# omnicupy benchmark: {meta['device']}, {meta['date']}", "",
           f"driver {meta['driver']}; {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}", "",
-          "Effective TFLOP/s (4·B·H·allowed pairs·D / median time); WRONG = failed the check, err = raised, "
-          "- = not run.", "", table, "", "## Mask construction (ms)", "", builds, "",
+          "Effective TFLOP/s (4·B·H·allowed pairs·D / median time"
+          + "".join(f", times {_cases.PASS_FLOPS[p]} for pass {p}" for p in passes)
+          + "); WRONG = failed the check, err = raised, - = not run.", "", table, "", "## Mask construction (ms)", "", builds, "",
           f"## First call (s; {cache_label})", "", firsts, ""]
     chart = None
     if out is not None:

@@ -4,6 +4,8 @@
     out = omnicupy.attention(q, k, v, causal=True)
     bm = omnicupy.BlockMask.from_mask_mod(omnicupy.masks.sliding_window(1024), None, None, N, N)
     out = omnicupy.attention(q, k, v, bm)
+    out, lse = omnicupy.attention(q, k, v, bm, return_lse=True)
+    dq, dk, dv = omnicupy.attention_backward(dout, q, k, v, out, lse, bm)
 """
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ import importlib
 from ._version import __version__
 from .dispatch.plan import Plan
 from .ops.forward import attention, omni_attn_mma_blockmask, plan
+from .ops.backward import attention_backward
 from .mask import BlockMask, BlockType
 from .errors import ArgumentError, CompileError, MaskError, NoGPUError, OmnicupyError
 from .mask.expressions import cuda_mask
 from . import reference
 
 __all__ = [
-    "__version__", "attention", "plan", "Plan", "omni_attn_mma_blockmask", "BlockMask", "BlockType", "reference", "masks",
+    "__version__", "attention", "attention_backward", "plan", "Plan", "omni_attn_mma_blockmask", "BlockMask", "BlockType", "reference", "masks",
     "score_mods", "cuda_mask", "cuda_score",
     "ArgumentError", "CompileError", "MaskError", "NoGPUError", "OmnicupyError",
 ]

@@ -3,6 +3,8 @@
     out[b,h,i] = sum_j softmax_j(scale * q[b,h,i]·k[b,hk,j] + bias | allowed(b,h,i,j)) v[b,hk,j]
 
 Rows with no allowed key give 0 and LSE -inf. This is the oracle every kernel test compares with.
+``attention_backward`` gives the gradients of the same function (bias a constant input), from the
+same element-level mask.
 
 Arguments are checked as ``attention()`` checks them (ArgumentError / MaskError naming the
 argument, never a raw NumPy error), except that any real dtype and head dim are accepted: q/k/v are
@@ -150,6 +152,65 @@ def _bias(bias: Any, B: int, Hq: int, Nq: int, Nkv: int) -> np.ndarray:
     return np.broadcast_to(values, (B, Hq, Nq, Nkv))
 
 
+class _Prepared:
+    """Checked float64 inputs, the dense mask or mask_mod, the bias, and the scores of one (b, h)."""
+
+    def __init__(self, q64, k64, v64, group, scale, mask_mod, dense, bias64, score_mod):
+        self.q, self.k, self.v, self.group, self.scale = q64, k64, v64, group, scale
+        self.mask_mod, self.dense, self.bias, self.score_mod = mask_mod, dense, bias64, score_mod
+
+    @classmethod
+    def make(cls, q, k, v, mask, scale, bias, score_mod) -> "_Prepared":
+        """Checks the arguments as ``attention()`` does (ArgumentError / MaskError naming them)."""
+        q64, k64, v64 = _as_float64(q, "q"), _as_float64(k, "k"), _as_float64(v, "v")
+        B, Hq, Nq, D = q64.shape
+        Bk, Hkv, Nkv, Dk = k64.shape
+        if v64.shape[:3] != k64.shape[:3]:
+            raise ArgumentError(f"k and v must agree in batch, heads and length, got k {k64.shape} and v {v64.shape}")
+        if Bk != B:
+            raise ArgumentError(f"k/v batch ({Bk}) must equal q batch ({B})")
+        if Dk != D:
+            raise ArgumentError(f"k/v head_dim ({Dk}) must equal q head_dim ({D})")
+        if Hq % Hkv:
+            raise ArgumentError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (GQA/MQA)")
+        scale = check_scale(scale, D)
+        mask_mod, dense = None, None
+        if callable(mask) and not _is_array(mask):
+            _check_callable(mask, "mask", 4, MaskError)
+            mask_mod = mask
+        elif mask is not None:
+            if isinstance(mask, str) or not _is_array(mask):
+                hint = " (pass bm.mask_mod or bm.to_dense())" if hasattr(mask, "to_dense") else ""
+                raise MaskError(f"mask must be a boolean array broadcastable to [B, Hq, Nq, Nkv] or a "
+                                f"mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__} {mask!r:.60}{hint}")
+            dense = _dense_mask(mask, (B, Hq, Nq, Nkv))
+        bias64 = None if bias is None else _bias(bias, B, Hq, Nq, Nkv)
+        if score_mod is not None:
+            if not callable(score_mod):
+                raise ArgumentError(f"score_mod must be callable (its NumPy form), got {type(score_mod).__name__}")
+            _check_callable(score_mod, "score_mod", 5, ArgumentError)
+        return cls(q64, k64, v64, Hq // Hkv, scale, mask_mod, dense, bias64, score_mod)
+
+    def scores(self, b: int, h: int, score_mod: Optional[Callable] = None):
+        """(score before the modifier, masked final score with -inf where disallowed, allowed)."""
+        score_mod = score_mod if score_mod is not None else self.score_mod
+        Nq, Nkv = self.q.shape[2], self.k.shape[2]
+        qi, ki = np.arange(Nq)[:, None], np.arange(Nkv)[None, :]
+        s = (self.q[b, h] @ self.k[b, h // self.group].T) * self.scale
+        if self.bias is not None:
+            s = s + self.bias[b, h]
+        pre = s
+        if score_mod is not None:
+            s = _score_values(_call(score_mod, (s, b, h, qi, ki), "score_mod", ArgumentError), (Nq, Nkv))
+        if self.mask_mod is not None:
+            allowed = _mask_values(_call(self.mask_mod, (b, h, qi, ki), "mask", MaskError), (Nq, Nkv), "mask")
+        elif self.dense is not None:
+            allowed = self.dense[b, h]
+        else:
+            allowed = np.ones((Nq, Nkv), dtype=bool)
+        return pre, np.where(allowed, s, -np.inf), allowed
+
+
 def attention(
     q: Any,
     k: Any,
@@ -169,55 +230,16 @@ def attention(
     or ``[B|1, H|1, Nq, Nkv]``) is added after scaling; ``score_mod(score, b, h, q_idx, kv_idx)`` (NumPy
     form) is applied after that. Returns ``out`` (float64) or ``(out, lse)`` with natural-log LSE.
     """
-    q64, k64, v64 = _as_float64(q, "q"), _as_float64(k, "k"), _as_float64(v, "v")
-    B, Hq, Nq, D = q64.shape
-    Bk, Hkv, Nkv, Dk = k64.shape
-    if v64.shape[:3] != k64.shape[:3]:
-        raise ArgumentError(f"k and v must agree in batch, heads and length, got k {k64.shape} and v {v64.shape}")
-    if Bk != B:
-        raise ArgumentError(f"k/v batch ({Bk}) must equal q batch ({B})")
-    if Dk != D:
-        raise ArgumentError(f"k/v head_dim ({Dk}) must equal q head_dim ({D})")
-    if Hq % Hkv:
-        raise ArgumentError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (GQA/MQA)")
-    group = Hq // Hkv
-    scale = check_scale(scale, D)
+    prep = _Prepared.make(q, k, v, mask, scale, bias, score_mod)
     return_lse = check_bool(return_lse, "return_lse")
-    mask_mod, dense = None, None
-    if callable(mask) and not _is_array(mask):
-        _check_callable(mask, "mask", 4, MaskError)
-        mask_mod = mask
-    elif mask is not None:
-        if isinstance(mask, str) or not _is_array(mask):
-            hint = " (pass bm.mask_mod or bm.to_dense())" if hasattr(mask, "to_dense") else ""
-            raise MaskError(f"mask must be a boolean array broadcastable to [B, Hq, Nq, Nkv] or a "
-                            f"mask_mod(b, h, q_idx, kv_idx) callable, got {type(mask).__name__} {mask!r:.60}{hint}")
-        dense = _dense_mask(mask, (B, Hq, Nq, Nkv))
-    bias64 = None if bias is None else _bias(bias, B, Hq, Nq, Nkv)
-    if score_mod is not None:
-        if not callable(score_mod):
-            raise ArgumentError(f"score_mod must be callable (its NumPy form), got {type(score_mod).__name__}")
-        _check_callable(score_mod, "score_mod", 5, ArgumentError)
-
+    q64, v64, group = prep.q, prep.v, prep.group
+    B, Hq, Nq, _ = q64.shape
     out = np.zeros((B, Hq, Nq, v64.shape[3]), dtype=np.float64)
     lse = np.full((B, Hq, Nq), -np.inf, dtype=np.float64)
-    qi = np.arange(Nq)[:, None]
-    ki = np.arange(Nkv)[None, :]
     for b in range(B):
         for h in range(Hq):
             hk = h // group
-            s = (q64[b, h] @ k64[b, hk].T) * scale
-            if bias64 is not None:
-                s = s + bias64[b, h]
-            if score_mod is not None:
-                s = _score_values(_call(score_mod, (s, b, h, qi, ki), "score_mod", ArgumentError), (Nq, Nkv))
-            if mask_mod is not None:
-                allowed = _mask_values(_call(mask_mod, (b, h, qi, ki), "mask", MaskError), (Nq, Nkv), "mask")
-            elif dense is not None:
-                allowed = dense[b, h]
-            else:
-                allowed = np.ones((Nq, Nkv), dtype=bool)
-            s = np.where(allowed, s, -np.inf)
+            _, s, _ = prep.scores(b, h, score_mod)
             row_max = s.max(axis=1, keepdims=True)
             has_any = np.isfinite(row_max)
             p = np.exp(s - np.where(has_any, row_max, 0.0))
@@ -226,6 +248,60 @@ def attention(
             out[b, h] = np.where(has_any, (p / safe) @ v64[b, hk], 0.0)
             lse[b, h] = np.where(has_any[:, 0], np.log(safe[:, 0]) + np.where(has_any, row_max, 0.0)[:, 0], -np.inf)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: MaskLike = None,
+    *,
+    scale: Optional[float] = None,
+    bias: Any = None,
+    score_mod: Optional[Callable] = None,
+):
+    """Gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v, ...) * dout)`` in float64.
+
+    Same arguments and conventions as ``attention``; ``dout`` is ``[B, Hq, Nq, D]``. dk/dv of a kv
+    head sum over the query heads that read it (GQA/MQA). ``bias`` is a constant input (no dbias).
+    Rows with no allowed key contribute nothing (their output is the constant 0). A ``score_mod``
+    needs its derivative ``score_mod.numpy_grad(score, b, h, q_idx, kv_idx)`` (d new score / d score).
+
+        dS = P * (dP - rowsum(dO * O)) * score_mod'(score),  dP = dO Vᵀ
+        dq = scale * dS K,  dk = scale * dSᵀ Q,  dv = Pᵀ dO
+    """
+    grad_fn = None
+    if score_mod is not None:
+        grad_fn = getattr(score_mod, "numpy_grad", None)
+        if grad_fn is None:
+            raise ArgumentError(f"score_mod {score_mod!r} has no numpy_grad (its derivative), needed for gradients")
+    prep = _Prepared.make(q, k, v, mask, scale, bias, score_mod)
+    do64 = _as_float64(dout, "dout")
+    q64, k64, v64, group = prep.q, prep.k, prep.v, prep.group
+    B, Hq, Nq, _ = q64.shape
+    if do64.shape[:3] != (B, Hq, Nq) or do64.shape[3] != v64.shape[3]:
+        raise ArgumentError(f"dout must have shape {(B, Hq, Nq, v64.shape[3])}, got {do64.shape}")
+    Nkv = k64.shape[2]
+    qi, ki = np.arange(Nq)[:, None], np.arange(Nkv)[None, :]
+    dq, dk, dv = np.zeros_like(q64), np.zeros_like(k64), np.zeros_like(v64)
+    for b in range(B):
+        for h in range(Hq):
+            hk = h // group
+            pre, s, _ = prep.scores(b, h, score_mod)
+            row_max = s.max(axis=1, keepdims=True)
+            has_any = np.isfinite(row_max)
+            p = np.exp(s - np.where(has_any, row_max, 0.0))
+            p = p / np.where(has_any, p.sum(axis=1, keepdims=True), 1.0)  # empty rows: p is all 0
+            dp = do64[b, h] @ v64[b, hk].T
+            delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dO * O)
+            ds = p * (dp - delta)
+            if grad_fn is not None:
+                ds = ds * np.where(p > 0, np.asarray(grad_fn(pre, b, h, qi, ki), dtype=np.float64), 0.0)
+            dv[b, hk] += p.T @ do64[b, h]
+            dq[b, h] = prep.scale * (ds @ k64[b, hk])
+            dk[b, hk] += prep.scale * (ds.T @ q64[b, h])
+    return dq, dk, dv
 
 
 def relative_error(actual: Any, expected: np.ndarray) -> float:
@@ -246,4 +322,4 @@ def relative_error(actual: Any, expected: np.ndarray) -> float:
     return float(diff / denom) if denom > 0 else float(diff)
 
 
-__all__ = ["attention", "dense_mask_from_mod", "relative_error"]
+__all__ = ["attention", "attention_backward", "dense_mask_from_mod", "relative_error"]

@@ -81,4 +81,20 @@ def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mas
                 reason=_why(variant, arch, bias is not None or score_expr is not None))
 
 
-__all__ = ["Plan", "plan_forward", "MAX_GRID_YZ"]
+def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block_mask: BlockMask,
+                  bias: Optional[str], mask_expr: Optional[tuple], score_expr: Optional[tuple],
+                  score_grad: Optional[str], arch: Optional[str]) -> Plan:
+    """The backward's main kernel: one CTA per (kv tile, column pass) of each (batch, kv head); the
+    row kernels around it (ops/backward.py) need no plan. Column passes split head dims above 128."""
+    bm = block_mask
+    variant = tiles.select_backward_variant(head_dim, dtype, bm.q_block_size, bm.kv_block_size, bm.features.causal,
+                                            bm.features.partial, bias=bias, mask_expr=mask_expr,
+                                            score_expr=score_expr, score_grad=score_grad, arch=arch)
+    passes = head_dim // min(head_dim, 128)
+    return Plan(variant=variant, grid=(cdiv(bm.kv_len, variant.bc) * passes, kv_heads, batch),
+                block=(variant.threads, 1, 1), smem_bytes=variant.smem_bytes, q_tile_order=None, arch=arch,
+                reason=f"backward mma.sync: kv tiles of {variant.bc} rows walking q tiles of {variant.br} "
+                       f"(BACKWARD_TILES; wgmma backward not built yet)")
+
+
+__all__ = ["Plan", "plan_forward", "plan_backward", "MAX_GRID_YZ"]

@@ -2,6 +2,7 @@
 
 ``select_variant`` turns a call's needs (head dim, dtype, stages, block sizes, mask features) into
 a Variant: the tuned tile if it divides the mask's block sizes, else the best fallback that does.
+``select_backward_variant`` does the same for the backward kernels (BACKWARD_TILES below).
 """
 from __future__ import annotations
 
@@ -165,3 +166,77 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                             out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, family=family,
                                                **tile.options()))
     return out
+
+
+# ---------------------------------------------------------------- backward (mma.sync)
+@dataclass(frozen=True)
+class BwdTile:
+    """A backward tile: ``br`` q rows per walked q tile, ``bc`` kv rows per CTA split among ``warps``
+    warps, ``stages`` Q/dO buffers (2: the next q tile prefetched)."""
+
+    br: int
+    bc: int
+    warps: int
+    stages: int = 2
+
+    def fits(self, head_dim: int) -> bool:
+        """The kernel's static rules (kernels/bwd_kv_tile.cuh Shape): whole m16 tiles of kv rows per
+        warp, and dQ columns per warp in whole n16 pairs."""
+        d_out = min(head_dim, 128)
+        row_warps = min(self.warps, self.br // 16)
+        return (self.bc % (16 * self.warps) == 0 and self.bc % 32 == 0 and self.br % 16 == 0
+                and self.warps % row_warps == 0 and (d_out // (self.warps // row_warps)) % 16 == 0)
+
+
+#: head_dim -> backward tile. D = 64 and 128 measured on the lent H200 (benchmarks/tune_backward.py,
+#: N = 8192, full and causal): 128 kv rows per CTA on 8 warps beat 64 on 4 by 1.3-1.6x (half the
+#: dQ atomics per q tile). 32 and 96 follow 64 and 128 untimed; D = 256 runs as two column passes
+#: of 128 with the smaller tile its registers allow.
+BACKWARD_TILES: dict[int, BwdTile] = {
+    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 128, 8), 128: BwdTile(64, 128, 8),
+    256: BwdTile(32, 64, 4),
+}
+#: With a bias or score modifier (more registers per score: 32-row q tiles).
+BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
+    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 64, 4), 128: BwdTile(32, 128, 8),
+    256: BwdTile(32, 64, 4),
+}
+#: For block sizes the tuned tile does not divide, or shared memory it does not fit; most preferred first.
+BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4), BwdTile(64, 32, 2), BwdTile(32, 32, 2),
+                      BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1), BwdTile(16, 32, 2, stages=1))
+
+
+def backward_variant(tile: BwdTile, head_dim: int, dtype: str, causal: bool, partial: bool, bias: Optional[str] = None,
+                     mask_expr: Optional[tuple] = None, score_expr: Optional[tuple] = None,
+                     score_grad: Optional[str] = None) -> Variant:
+    return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, tile.stages, causal, partial, bias, mask_expr,
+                   score_expr, operation="backward", score_grad=score_grad)
+
+
+def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_block_size: int, causal: bool,
+                            partial: bool, bias: Optional[str] = None, mask_expr: Optional[tuple] = None,
+                            score_expr: Optional[tuple] = None, score_grad: Optional[str] = None,
+                            arch: Optional[str] = None) -> Variant:
+    """The backward kernel for a call: the tuned tile if it divides the block sizes (and its shared
+    memory fits ``arch``), else the first fallback that does."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ArgumentError(f"q: head_dim {head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    extras = bias is not None or score_expr is not None
+    tuned = (BACKWARD_FEATURE_TILES if extras else BACKWARD_TILES)[head_dim]
+    for tile in (tuned, *BACKWARD_FALLBACKS):
+        if not tile.fits(head_dim) or q_block_size % tile.br or kv_block_size % tile.bc:
+            continue
+        variant = backward_variant(tile, head_dim, dtype, causal, partial, bias, mask_expr, score_expr, score_grad)
+        if arch is None or variant.runs_on(arch):
+            return variant
+    raise ArgumentError(
+        f"block_mask: no backward tile divides q_block_size={q_block_size} and kv_block_size={kv_block_size} "
+        f"and fits the shared memory of {arch} at head_dim {head_dim} (q blocks must be a multiple of 16, "
+        f"kv blocks of 32)")
+
+
+def shipped_backward_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS) -> list[Variant]:
+    """Every tuned backward variant with every mask-feature combination: what CI compiles and the
+    CLI precompiles (mma.sync; builds for sm_80 and sm_90)."""
+    return [backward_variant(BACKWARD_TILES[hd], hd, dt, causal, partial)
+            for hd in head_dims for dt in dtypes for causal in (False, True) for partial in (False, True)]

@@ -29,11 +29,12 @@ BIAS_DTYPES = ("fp16", "bf16", "fp32")
 TEMPLATES = {
     ("forward", "sync"): "attention_fwd.cu.jinja",
     ("forward", "wgmma"): "attention_fwd_sm90.cu.jinja",
+    ("backward", "sync"): "attention_bwd.cu.jinja",
 }
 OPERATIONS = tuple(dict.fromkeys(op for op, _ in TEMPLATES))
 FAMILIES = ("sync", "wgmma")
 #: Kernel-name prefix per operation.
-PREFIXES = {"forward": "omni_fwd"}
+PREFIXES = {"forward": "omni_fwd", "backward": "omni_bwd"}
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
@@ -69,6 +70,9 @@ class Variant:
     poly_exp: int = 0
     #: What the kernel computes: one of OPERATIONS.
     operation: str = "forward"
+    #: backward only: the CUDA text of d(score_expr)/d(score) (score_mods.ScoreMod.cuda_grad), over
+    #: the score expression's names; score_mods.UNIT_GRAD for additive modifiers.
+    score_grad: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
@@ -79,8 +83,13 @@ class Variant:
             raise VariantError(f"dtype {self.dtype!r} is not supported (supported: {SUPPORTED_DTYPES})")
         if self.stages not in SUPPORTED_STAGES:
             raise VariantError(f"stages must be 1 or 2, got {self.stages}")
-        if self.warps < 1 or self.br % (16 * self.warps):
-            raise VariantError(f"br={self.br} must be a multiple of 16 * warps ({self.warps})")
+        # The warps split the rows of the tile they own: q rows in the forward, kv rows
+        # (bc) in the backward, whose CTA owns a kv tile and walks q tiles of br rows.
+        rows, label = (self.bc, "bc") if self.operation == "backward" else (self.br, "br")
+        if self.warps < 1 or rows % (16 * self.warps):
+            raise VariantError(f"{label}={rows} must be a multiple of 16 * warps ({self.warps})")
+        if self.operation == "backward" and self.br % 16:
+            raise VariantError(f"backward: br={self.br} must be a multiple of 16")
         if self.bc % 32 or self.bc < 32:
             raise VariantError(f"bc={self.bc} must be a positive multiple of 32")
         if (self.operation, self.family) not in TEMPLATES:
@@ -104,7 +113,8 @@ class Variant:
         features = "".join(f"_{f}" for f, on in (("causal", self.causal), ("partial", self.partial)) if on)
         if self.bias:
             features += f"_bias{self.bias}"
-        for label, key in (("mask", self.mask_expr), ("score", self.score_expr)):
+        score_key = self.score_expr if self.score_grad is None else (self.score_expr, self.score_grad)
+        for label, key in (("mask", self.mask_expr), ("score", score_key)):
             if key is not None:
                 features += f"_{label}{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
         family = ("_wgmma" + ("o" if self.overlap else "")) if self.family == "wgmma" else ""
@@ -125,7 +135,14 @@ class Variant:
 
         mma.sync: padded rows; kStage 1 shares one buffer between K and V, kStage 2 has one of each.
         wgmma: unpadded swizzled rows, ``stages`` buffers of K and V, plus one swizzle atom of slack
-        to align the tiles."""
+        to align the tiles.
+
+        backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
+        Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows)."""
+        if self.operation == "backward":
+            row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
+            return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2
+                    + 2 * self.stages * self.br * 4)
         if self.family == "wgmma":
             return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2
         row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
@@ -154,6 +171,7 @@ class Variant:
         values["smem_bytes"] = self.smem_bytes
         values["mask_expr"] = _expr_params(self.mask_expr, "mask")
         values["score_expr"] = _expr_params(self.score_expr, "score")
+        values["score_grad"] = self.score_grad
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).
         values["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
         values["params_struct"] = params.STRUCTS[self.operation].cpp()

@@ -1,0 +1,84 @@
+// Row kernels of the backward pass: one warp per query row.
+//
+//   preprocess_rows: delta = rowsum(dO * O) in fp32, the LSE once in log2 units (+inf for rows
+//                    with no allowed key and for padded rows, so that exp2(s - lse) is exactly 0
+//                    there), and the row of the fp32 dQ accumulator zeroed.
+//   convert_dq:      dq = scale * dq_accum in the input dtype.
+//
+// Plain CUDA templated on the head dim, the 16-bit type (Fp16/Bf16, mma.cuh) and the parameter
+// struct P (rendered from dispatch/params.py BACKWARD); grid (row blocks, Hq, B).
+#pragma once
+#include "mma.cuh"
+
+namespace omni {
+namespace bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kRowWarps = 8;  // rows per CTA of the row kernels (omnicupy/ops/backward.py launches)
+
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
+
+// Sum of a[i] * b[i] over the eight 16-bit values of two 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ float dot8(const Vec16& a, const Vec16& b) {
+  const u32 wa[4] = {a.x, a.y, a.z, a.w};
+  const u32 wb[4] = {b.x, b.y, b.z, b.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s = fmaf(T::to_float(static_cast<u16>(wa[i] & 0xffffu)), T::to_float(static_cast<u16>(wb[i] & 0xffffu)), s);
+    s = fmaf(T::to_float(static_cast<u16>(wa[i] >> 16)), T::to_float(static_cast<u16>(wb[i] >> 16)), s);
+  }
+  return s;
+}
+
+template <int kHeadDim, typename T, typename P>
+__device__ __forceinline__ void preprocess_rows(const P& p) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row, <= 32
+  static_assert(kChunks <= 32, "one warp reads a row in one pass");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kRowWarps + warp;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  if (row >= p.q_len_pad) return;
+  const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
+  const bool real = row < p.q_len;
+  float dot = 0.f;
+  if (real && lane < kChunks) {
+    const Vec16 o = *reinterpret_cast<const Vec16*>(p.o + batch * p.o_sb + head * p.o_sh + row * p.o_sn + lane * 8);
+    const Vec16 d = *reinterpret_cast<const Vec16*>(p.dout + batch * p.do_sb + head * p.do_sh + row * p.do_sn + lane * 8);
+    dot = dot8<T>(o, d);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m /= 2) dot += shfl_xor(dot, m);
+  if (lane == 0) {
+    const float lse = real ? p.lse[bh * p.q_len + row] : neg_inf();
+    p.lse_log2[bh * p.q_len_pad + row] = lse == neg_inf() ? pos_inf() : lse * kLog2e;
+    p.delta[bh * p.q_len_pad + row] = real ? dot : 0.f;
+  }
+  if (real) {
+    Vec16* acc = reinterpret_cast<Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim);
+    for (int c = lane; c < kHeadDim / 4; c += 32) acc[c] = Vec16{0u, 0u, 0u, 0u};
+  }
+}
+
+template <int kHeadDim, typename T, typename P>
+__device__ __forceinline__ void convert_dq(const P& p) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kRowWarps + warp;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  if (row >= p.q_len || lane >= kChunks) return;
+  const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
+  const Vec16* src = reinterpret_cast<const Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim + lane * 8);
+  const Vec16 a = src[0], b = src[1];
+  const float s = p.scale;
+  Vec16 out;
+  out.x = T::pack(__uint_as_float(a.x) * s, __uint_as_float(a.y) * s);
+  out.y = T::pack(__uint_as_float(a.z) * s, __uint_as_float(a.w) * s);
+  out.z = T::pack(__uint_as_float(b.x) * s, __uint_as_float(b.y) * s);
+  out.w = T::pack(__uint_as_float(b.z) * s, __uint_as_float(b.w) * s);
+  *reinterpret_cast<Vec16*>(p.dq + batch * p.dq_sb + head * p.dq_sh + row * p.dq_sn + lane * 8) = out;
+}
+
+}  // namespace bwd
+}  // namespace omni

@@ -1,0 +1,273 @@
+"""The backward operation: ``attention_backward()``, the gradients of ``attention()``.
+
+Checks the call with the forward's checks (ops/inputs.py, ``resolve_mask``), asks dispatch for the
+backward Plan, builds the transposed block index (ops/backward_index.py, cached on the mask) and
+launches three kernels of one compiled module on the current CuPy stream (templates/attention_bwd.cu.jinja):
+
+    _pre   delta = rowsum(dO O), LSE -> log2 units, zero the fp32 dQ accumulator
+    main   one CTA per kv tile: dK, dV in registers, dQ by fp32 atomics (ordered if deterministic)
+    _dq    dq = scale * accumulator in the input dtype
+
+The workspace is O(B * Hq * Nq * D): the fp32 dQ accumulator, two fp32 row vectors and, for
+``deterministic=True``, one int32 turn counter per (batch, head, q tile). Every check runs before any
+launch and raises an ArgumentError (or MaskError) naming the argument.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import arrays, jit
+from ..dispatch.arch import current_arch
+from ..dispatch.params import BACKWARD
+from ..dispatch.plan import Plan, plan_backward
+from ..errors import ArgumentError, CompileError
+from ..mask import BlockMask, cdiv, expressions
+from .backward_index import backward_index, dq_ranks
+from .forward import Extras, _bias_fields, _element_strides, resolve_mask
+from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
+                     check_score_mod, on_device, require_gpu, to_device)
+
+#: Rows per CTA of the row kernels (kernels/bwd_rows.cuh kRowWarps: one warp per row).
+ROW_WARPS = 8
+
+
+@dataclass(frozen=True)
+class BackwardExtras(Extras):
+    """The forward's per-score extras plus the score modifier's derivative (CUDA text)."""
+
+    score_grad: Optional[str] = None
+
+
+def _check_score_grad(score_mod: Any) -> Optional[str]:
+    if score_mod is None:
+        return None
+    grad = getattr(score_mod, "cuda_grad", None)
+    if not isinstance(grad, expressions.CudaExpr):
+        raise ArgumentError(f"score_mod {getattr(score_mod, 'name', score_mod)!r} has no derivative: the backward needs "
+                            "d(new score)/d(score), e.g. omnicupy.cuda_score(expr, ..., grad='...')")
+    if (grad.constants, grad.array_decls) != (score_mod.cuda.constants, score_mod.cuda.array_decls):
+        raise ArgumentError("score_mod: its derivative must use the same constants and arrays as the expression")
+    return grad.text
+
+
+def _check_grad_buffer(x: Any, shape: tuple, dtype: Any, name: str):
+    """A user ``dq``/``dk``/``dv`` buffer: shape, dtype, last dim contiguous (no GPU needed for NumPy)."""
+    if x is None:
+        return None
+    x = as_array(x, name)
+    if tuple(x.shape) != shape or np.dtype(x.dtype) != np.dtype(dtype):
+        raise ArgumentError(f"{name} must have shape {shape} and dtype {np.dtype(dtype)}, got {tuple(x.shape)} {x.dtype}")
+    if x.strides[3] != x.itemsize:
+        raise ArgumentError(f"{name} must be contiguous in its last dim; got strides {x.strides} bytes")
+    return x
+
+
+def _check_lse(lse: Any, inp: Inputs):
+    if lse is None:
+        raise ArgumentError("lse is required: pass the lse returned by attention(..., return_lse=True)")
+    lse = as_array(lse, "lse")
+    shape = (inp.batch, inp.heads, inp.q_len)
+    if tuple(lse.shape) != shape or np.dtype(lse.dtype) != np.float32:
+        raise ArgumentError(f"lse must be float32 of shape {shape} (from attention(..., return_lse=True)), "
+                            f"got {tuple(lse.shape)} {lse.dtype}")
+    return lse
+
+
+def _device_grad(user: Any, shape: tuple, dtype: Any):
+    """(device buffer the kernels write, user object to copy into afterwards or None)."""
+    cp = arrays.cupy_module()
+    if user is None or arrays.is_numpy(user):
+        return cp.empty(shape, dtype=dtype), user
+    check_device(user, "gradient buffer")
+    if not aligned(user):
+        return cp.empty(shape, dtype=dtype), user
+    return user, None
+
+
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def _kernels(variant) -> tuple:
+    """(preprocess, main, convert) functions of ``variant``'s module on the current device."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    key = (variant, device)
+    found = _modules.get(key)
+    if found is None:
+        with _modules_lock:
+            found = _modules.get(key)
+            if found is None:
+                entry, _ = jit.build(variant, current_arch())
+                module = cupy.RawModule(path=str(entry.binary_path))
+                main = module.get_function(variant.name)
+                if variant.smem_bytes > 48 * 1024:
+                    main.max_dynamic_shared_size_bytes = variant.smem_bytes
+                found = (module.get_function(f"{variant.name}_pre"), main, module.get_function(f"{variant.name}_dq"))
+                _modules[key] = found
+    return found
+
+
+def make_plan(inp: Inputs, bm: BlockMask, extras: BackwardExtras, arch: Optional[str]) -> Plan:
+    return plan_backward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, kv_heads=inp.kv_heads,
+                         block_mask=bm, bias=extras.bias.dtype if extras.bias else None,
+                         mask_expr=extras.mask_expr.key if extras.mask_expr else None,
+                         score_expr=extras.score_expr.key if extras.score_expr else None,
+                         score_grad=extras.score_grad, arch=arch)
+
+
+def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float, plan: Plan,
+            extras: BackwardExtras, deterministic: bool) -> None:
+    cp = arrays.cupy_module()
+    try:
+        pre, main, convert = _kernels(plan.variant)
+    except CompileError as exc:
+        exprs = [e.text for e in (extras.mask_expr, extras.score_expr) if e is not None]
+        if not exprs:
+            raise
+        raise CompileError(f"the CUDA expression(s) {exprs} (or the score derivative {extras.score_grad!r}) "
+                           f"did not compile:\n{exc}") from None
+    variant = plan.variant
+    B, Hq, Nq, D = inp.batch, inp.heads, inp.q_len, inp.head_dim
+    q_len_pad = cdiv(Nq, variant.br) * variant.br
+    lse_log2 = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
+    delta = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
+    dq_accum = cp.empty((B, Hq, Nq, D), dtype=np.float32)  # zeroed by the preprocess kernel
+    passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
+    semaphore = cp.zeros((B, Hq, q_len_pad // variant.br, passes), dtype=np.int32) if deterministic else None
+    index = backward_index(bm)
+    meta = bm.device_metadata()
+    user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
+    fields = {
+        "q": inp.q, "k": inp.k, "v": inp.v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+        **_element_strides(inp.q, "q"), **_element_strides(inp.k, "k"), **_element_strides(inp.v, "v"),
+        **_element_strides(out, "o"), **_element_strides(dout, "do"), **_element_strides(dq, "dq"),
+        **_element_strides(dk, "dk"), **_element_strides(dv, "dv"),
+        "lse_log2": lse_log2, "delta": delta, "dq_accum": dq_accum, "dq_semaphore": semaphore,
+        "q_len_pad": q_len_pad, "num_heads": Hq, "q_len": Nq, "kv_len": inp.kv_len,
+        "kv_group": Hq // inp.kv_heads, "scale": scale,
+        # As in the forward: raw scores with the scale folded into exp2, unless the kernel
+        # transforms them first (bias, score modifier); then in natural units.
+        "scale_log2": float(np.log2(np.e)) * (1.0 if extras.transforms_scores else scale),
+        "q_num_blocks": index.q_num_blocks, "q_indices": index.q_indices, "q_types": index.q_types,
+        "q_partial_index": index.q_partial_index,
+        "q_rank": dq_ranks(bm, variant.bc) if deterministic else None,
+        "t_row_sb": index.row_stride_batch, "t_row_sh": index.row_stride_head, "t_width": index.width,
+        "partial_masks": meta.partial_block_masks, "q_block_size": bm.q_block_size,
+        "kv_block_size": bm.kv_block_size,
+        **_bias_fields(extras.bias),
+        "user_arrays": user_arrays,
+    }
+    packed = (BACKWARD.pack(fields),)
+    rows = (cdiv(q_len_pad, ROW_WARPS), Hq, B)
+    pre(rows, (32 * ROW_WARPS, 1, 1), packed)
+    main(plan.grid, plan.block, packed, shared_mem=plan.smem_bytes)
+    convert((cdiv(Nq, ROW_WARPS), Hq, B), (32 * ROW_WARPS, 1, 1), packed)
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    block_mask: Optional[BlockMask] = None,
+    *,
+    causal: Any = False,
+    scale: Optional[float] = None,
+    bias: Any = None,
+    score_mod: Any = None,
+    deterministic: bool = False,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+    fuse_mask: bool = False,
+):
+    """Gradients ``(dq, dk, dv)`` of ``attention(q, k, v, block_mask, ...)`` for the output gradient ``dout``.
+
+    ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the same q, k, v,
+    mask, scale, bias and score_mod (P is recomputed from them, not stored). The conventions are the
+    forward's: q/dout/out ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, float16 or bfloat16, last dim
+    contiguous, other strides free; ``causal``, ``scale``, ``block_mask`` as in ``attention``. dk/dv
+    of a kv head sum over the query heads that read it (GQA/MQA). Rows with no allowed key have
+    exactly zero gradients.
+
+    ``bias`` is treated as a constant input: it shapes the gradients of q, k, v, but no gradient of
+    the bias is computed. ``score_mod`` needs its derivative (``score_mods.alibi`` and ``softcap``
+    carry theirs; ``cuda_score(..., grad="...")`` for your own), else an ArgumentError is raised.
+
+    dQ is accumulated in fp32 by atomic adds, whose order varies run to run in the last bits;
+    ``deterministic=True`` adds the kv tiles' contributions to each q tile in a fixed order, which
+    gives bitwise-identical results run to run. ``dq``/``dk``/``dv`` buffers are written in place.
+    With ``fuse_mask=True`` PARTIAL blocks evaluate the mask's CUDA expression instead of its bits.
+    NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
+    """
+    host_result = arrays.is_numpy(q)
+    inp = check_qkv(q, k, v)
+    bm = resolve_mask(block_mask, causal, inp)
+    extras = BackwardExtras(
+        bias=check_bias(bias, inp),
+        score_expr=check_score_mod(score_mod),
+        mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial else None,
+        score_grad=_check_score_grad(score_mod),
+    )
+    expressions.merge_names(extras.mask_expr, extras.score_expr)
+    dout = check_out(dout, inp, "dout")
+    out = check_out(out, inp, "out")
+    lse = _check_lse(lse, inp)
+    scale = check_scale(scale, inp.head_dim)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise ArgumentError(f"deterministic must be True or False, got {deterministic!r}")
+    q_shape = (inp.batch, inp.heads, inp.q_len, inp.head_dim)
+    kv_shape = (inp.batch, inp.kv_heads, inp.kv_len, inp.head_dim)
+    user = {"dq": _check_grad_buffer(dq, q_shape, inp.q.dtype, "dq"),
+            "dk": _check_grad_buffer(dk, kv_shape, inp.q.dtype, "dk"),
+            "dv": _check_grad_buffer(dv, kv_shape, inp.q.dtype, "dv")}
+    require_gpu()  # every check above runs without a GPU for NumPy inputs
+    cp = arrays.cupy_module()
+    inp = on_device(inp)
+    dout_d, out_d = to_device(dout, "dout"), to_device(out, "out")
+    lse_d = arrays.to_cupy(lse, "lse")
+    check_device(lse_d, "lse")
+    lse_d = cp.ascontiguousarray(lse_d)
+    plan = make_plan(inp, bm, extras, current_arch())
+    buffers = {name: _device_grad(user[name], q_shape if name == "dq" else kv_shape, inp.q.dtype) for name in user}
+    _launch(inp, dout_d, out_d, lse_d, buffers["dq"][0], buffers["dk"][0], buffers["dv"][0], bm, scale, plan, extras,
+            bool(deterministic))
+    results = []
+    for name in ("dq", "dk", "dv"):
+        got, copy_into = buffers[name]
+        if copy_into is not None:
+            if arrays.is_numpy(copy_into):
+                copy_into[...] = got.get()
+            else:
+                copy_into[...] = got
+            got = copy_into
+        if host_result and not arrays.is_numpy(got):
+            got = got.get()
+        results.append(got)
+    return tuple(results)
+
+
+def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False, bias: Any = None,
+         score_mod: Any = None, fuse_mask: bool = False, arch: Optional[str] = None) -> Plan:
+    """Which backward kernel ``attention_backward()`` with these arguments would run (q/k/v may be
+    NumPy arrays; only shapes and dtypes are read). ``arch`` defaults to the current device's."""
+    inp = check_qkv(q, k, v)
+    bm = resolve_mask(block_mask, causal, inp)
+    extras = BackwardExtras(bias=check_bias(bias, inp), score_expr=check_score_mod(score_mod),
+                            mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial
+                            else None, score_grad=_check_score_grad(score_mod))
+    if arch is None:
+        require_gpu()
+        arch = current_arch()
+    return make_plan(inp, bm, extras, arch)
+
+
+__all__ = ["attention_backward", "plan"]

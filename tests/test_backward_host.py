@@ -1,0 +1,210 @@
+"""The backward pass's host side, without a GPU: the transposed block index (against a brute-force
+transpose of the forward metadata), the deterministic dQ turns, argument checks before any launch,
+tile selection, and NVRTC compiles of every shipped backward variant for sm_80 and sm_90."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import omnicupy
+from omnicupy import BlockMask, BlockType, arrays, jit, score_mods
+from omnicupy.dispatch import tiles
+from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS, Variant
+from omnicupy.errors import ArgumentError, MaskError, NoGPUError
+from omnicupy.jit.cache import DiskCache
+from omnicupy.mask import cdiv
+from omnicupy.ops.backward_index import ranks, transpose
+
+from helpers import random_block_mask, random_qkv
+
+
+# ---------------------------------------------------------------- transposed index
+def brute_force(bm: BlockMask):
+    """{(b, h, kv block): [(q block, type, partial index), ...] in increasing q order}."""
+    nb, idx, types = bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types
+    pidx = bm.partial_block_mask_indices
+    out: dict = {}
+    Bm, Hm, nqb, _ = idx.shape
+    for b, h in np.ndindex(Bm, Hm):
+        for kb in range(bm.num_kv_blocks):
+            out[b, h, kb] = []
+        for qb in range(nqb):
+            for e in range(int(nb[b, h, qb])):
+                t = int(types[b, h, qb, e])
+                if t != BlockType.MASKED:
+                    out[b, h, int(idx[b, h, qb, e])].append((qb, t, 0 if pidx is None else int(pidx[b, h, qb, e])))
+    return {key: sorted(v) for key, v in out.items()}
+
+
+INDEX_CASES = [
+    pytest.param(1, 1, 300, 300, 128, 128, False, id="one-row-300"),
+    pytest.param(2, 3, 1000, 700, 128, 64, True, id="batch-heads-shuffled"),
+    pytest.param(1, 2, 97, 1500, 32, 256, True, id="short-q-long-kv"),
+    pytest.param(3, 1, 512, 512, 64, 64, False, id="batch-only"),
+]
+
+
+@pytest.mark.parametrize("Bm,Hm,q_len,kv_len,qbs,kbs,shuffle", INDEX_CASES)
+def test_transposed_index_matches_brute_force(Bm, Hm, q_len, kv_len, qbs, kbs, shuffle):
+    seed = q_len * 31 + kv_len
+    rng = np.random.default_rng(seed)
+    bm, _ = random_block_mask(rng, Bm, Hm, q_len, kv_len, qbs, kbs, empty_q_blocks=1, shuffle=shuffle)
+    index = transpose(bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types, bm.partial_block_mask_indices,
+                      bm.num_kv_blocks)
+    want = brute_force(bm)
+    for (b, h, kb), entries in want.items():
+        row = b * index.row_stride_batch + h * index.row_stride_head + kb
+        n = int(index.q_num_blocks[row])
+        got = [(int(index.q_indices[row, s]), int(index.q_types[row, s]),
+                0 if index.q_partial_index is None else int(index.q_partial_index[row, s])) for s in range(n)]
+        assert got == entries, f"seed {seed}, row {(b, h, kb)}"
+
+
+@pytest.mark.parametrize("kv_tile", [32, 64])
+def test_dq_turns_go_down_the_kv_tiles(kv_tile):
+    """The turns rank - t of one q block's kv tiles are 0, 1, 2, ... in decreasing kv tile order,
+    with no gap or repeat (the kernel's deterministic dQ order)."""
+    seed = 4242 + kv_tile
+    rng = np.random.default_rng(seed)
+    kv_len, kbs = 1000, 128  # the last kv block is cut by kv_len: it has fewer tiles
+    bm, _ = random_block_mask(rng, 2, 2, 700, kv_len, 128, kbs, empty_q_blocks=1, shuffle=True)
+    index = transpose(bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types, bm.partial_block_mask_indices,
+                      bm.num_kv_blocks)
+    rank = ranks(index, kv_len, kbs, kv_tile)
+    kv_tiles = cdiv(kv_len, kv_tile)
+    turns: dict = {}
+    for (b, h, kb), entries in brute_force(bm).items():
+        row = b * index.row_stride_batch + h * index.row_stride_head + kb
+        for s, (qb, _, _) in enumerate(entries):
+            first_tile = kb * (kbs // kv_tile)
+            for t in range(kbs // kv_tile):
+                if first_tile + t < kv_tiles:
+                    turns.setdefault((b, h, qb), []).append((first_tile + t, int(rank[row, s]) - t))
+    for key, pairs in turns.items():
+        pairs.sort(reverse=True)  # last kv tile first
+        assert [turn for _, turn in pairs] == list(range(len(pairs))), f"seed {seed}, q row {key}"
+
+
+# ---------------------------------------------------------------- argument checks (no GPU needed)
+def _inputs(rng, B=1, Hq=2, Hkv=2, Nq=40, Nkv=40, D=64):
+    q, k, v = random_qkv(rng, B, Hq, Nq, D, "fp16", Hkv=Hkv, Nkv=Nkv)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    out = np.zeros_like(q)
+    lse = np.zeros((B, Hq, Nq), np.float32)
+    return dout, q, k, v, out, lse
+
+
+def _call(**changes):
+    rng = np.random.default_rng(0)
+    dout, q, k, v, out, lse = _inputs(rng)
+    args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    kwargs = {n: changes.pop(n) for n in list(changes) if n not in args}
+    args.update(changes)
+    return omnicupy.attention_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **kwargs)
+
+
+BAD_CALLS = [
+    pytest.param(dict(dout=np.zeros((1, 2, 41, 64), np.float16)), ArgumentError, "dout", id="dout-shape"),
+    pytest.param(dict(dout=np.zeros((1, 2, 40, 64), np.float32)), ArgumentError, "dout", id="dout-dtype"),
+    pytest.param(dict(out=np.zeros((1, 2, 40, 32), np.float16)), ArgumentError, "out", id="out-shape"),
+    pytest.param(dict(lse=None), ArgumentError, "lse is required", id="lse-missing"),
+    pytest.param(dict(lse=np.zeros((1, 2, 39), np.float32)), ArgumentError, "lse", id="lse-shape"),
+    pytest.param(dict(lse=np.zeros((1, 2, 40), np.float64)), ArgumentError, "lse", id="lse-dtype"),
+    pytest.param(dict(block_mask=BlockMask.causal(64, 64)), MaskError, "q_len=64", id="mask-other-lengths"),
+    pytest.param(dict(causal="diagonal"), ArgumentError, "causal", id="bad-causal"),
+    pytest.param(dict(score_mod=omnicupy.cuda_score("score * 2.0f")), ArgumentError, "derivative",
+                 id="score-mod-without-grad"),
+    pytest.param(dict(dk=np.zeros((1, 2, 40, 32), np.float16)), ArgumentError, "dk", id="dk-shape"),
+    pytest.param(dict(dv=np.zeros((1, 2, 40, 64), np.float32)), ArgumentError, "dv", id="dv-dtype"),
+    pytest.param(dict(deterministic="yes"), ArgumentError, "deterministic", id="deterministic-not-bool"),
+    pytest.param(dict(scale=-1.0), ArgumentError, "scale", id="negative-scale"),
+    pytest.param(dict(bias=np.zeros((1, 2, 41), np.float32)), ArgumentError, "bias", id="bias-shape"),
+]
+
+
+@pytest.mark.parametrize("changes,error,match", BAD_CALLS)
+def test_bad_input_is_named_before_launch(changes, error, match):
+    with pytest.raises(error, match=match):
+        _call(**changes)
+
+
+@pytest.mark.skipif(arrays.gpu_available(), reason="checks the no-GPU path")
+@pytest.mark.parametrize("kwargs", [dict(), dict(causal=True, deterministic=True),
+                                    dict(score_mod=score_mods.softcap(5.0), bias=np.zeros((1, 1, 40), np.float32))])
+def test_valid_call_passes_every_check(kwargs):
+    """A valid NumPy call passes every check and stops only for want of a GPU."""
+    with pytest.raises(NoGPUError):
+        _call(**kwargs)
+
+
+# ---------------------------------------------------------------- tiles and variants
+def test_backward_plan_without_gpu():
+    rng = np.random.default_rng(1)
+    _, q, k, v, _, _ = _inputs(rng, B=2, Hq=4, Hkv=2, Nq=300, Nkv=500, D=256)
+    plan = omnicupy.ops.backward.plan(q, k, v, causal=True, arch="sm_90")
+    assert plan.variant.operation == "backward" and plan.kernel.startswith("omni_bwd_fp16_hd256")
+    assert plan.grid == (cdiv(500, plan.variant.bc) * 2, 2, 2)  # two column passes at D = 256
+    assert plan.smem_bytes == plan.variant.smem_bytes <= 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("qbs,kbs", [(128, 128), (64, 64), (16, 32), (48, 96), (256, 512)])
+def test_backward_tile_divides_blocks_and_fits(head_dim, qbs, kbs):
+    for arch in ("sm_80", "sm_86", "sm_90"):
+        v = tiles.select_backward_variant(head_dim, "bf16", qbs, kbs, True, True, arch=arch)
+        assert qbs % v.br == 0 and kbs % v.bc == 0 and v.runs_on(arch)
+        assert tiles.BwdTile(v.br, v.bc, v.warps, v.stages).fits(head_dim)
+
+
+def test_backward_tables_fit_their_head_dims():
+    for table in (tiles.BACKWARD_TILES, tiles.BACKWARD_FEATURE_TILES):
+        for head_dim, tile in table.items():
+            assert tile.fits(head_dim), (head_dim, tile)
+            assert tiles.backward_variant(tile, head_dim, "fp16", True, True).runs_on("sm_90")
+
+
+def test_score_grad_is_part_of_the_name():
+    sc = score_mods.softcap(3.0)
+    a = tiles.select_backward_variant(64, "fp16", 128, 128, False, False, score_expr=sc.cuda.key, score_grad="1.0f")
+    b = tiles.select_backward_variant(64, "fp16", 128, 128, False, False, score_expr=sc.cuda.key,
+                                      score_grad=sc.cuda_grad.text)
+    assert a.name != b.name and a != b
+
+
+def test_backward_warps_split_kv_rows():
+    with pytest.raises(ValueError, match="bc=32"):
+        Variant(64, "fp16", 64, 32, 4, 2, operation="backward")
+    Variant(64, "fp16", 16, 64, 4, 2, operation="backward")  # q tiles of 16 rows are fine
+
+
+# ---------------------------------------------------------------- compiles
+SHIPPED = tiles.shipped_backward_variants()
+FEATURES = [
+    tiles.backward_variant(tiles.BACKWARD_FEATURE_TILES[hd], hd, "bf16", True, True, bias="fp32",
+                           score_expr=score_mods.softcap(5.0).cuda.key,
+                           score_grad=score_mods.softcap(5.0).cuda_grad.text)
+    for hd in SUPPORTED_HEAD_DIMS
+] + [
+    tiles.backward_variant(tiles.BACKWARD_TILES[64], 64, "fp16", True, True,
+                           mask_expr=omnicupy.cuda_mask("doc[q_idx] == doc[kv_idx]",
+                                                        arrays={"doc": np.zeros(8, np.int32)}).cuda.key,
+                           score_expr=score_mods.alibi(4).cuda.key, score_grad=score_mods.UNIT_GRAD),
+    *[tiles.backward_variant(t, 128, "fp16", False, True) for t in tiles.BACKWARD_FALLBACKS],
+]
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    return DiskCache(tmp_path_factory.mktemp("bwd-kernel-cache"))
+
+
+BUILDS = [(v, arch) for v in SHIPPED for arch in ("sm_80", "sm_90")] + [(v, "sm_90") for v in FEATURES]
+
+
+@pytest.mark.parametrize("variant,arch", BUILDS, ids=lambda x: getattr(x, "name", x))
+def test_backward_variant_compiles(variant, arch, compile_cache):
+    entry, _ = jit.build(variant, arch, cache=compile_cache)
+    assert entry.meta["kernel"] == variant.name and entry.size > 1000
+    source = jit.render.render_source(variant)
+    for suffix in ("_pre", "", "_dq"):
+        assert "void __launch_bounds__(" in source and f" {variant.name}{suffix}(const __grid_constant__ BwdParams p)" in source
