@@ -20,3 +20,8 @@ class CompileError(OmnicupyError, RuntimeError):
 
 class NoGPUError(OmnicupyError, RuntimeError):
     """A GPU is needed and none is usable (no CuPy, no driver or no device)."""
+
+
+class KVCacheError(ArgumentError):
+    """A KV cache's metadata that does not fit the cache: kv_lens beyond the cache or its page table,
+    page ids outside the page pool (omnicupy.paged_attention, attention(kv_lens=...))."""
