@@ -29,7 +29,7 @@ namespace omni {
 namespace decode {
 
 constexpr float kLn2 = 0.69314718055994531f;
-//: Bits of p.errors.
+// Bits of p.errors.
 constexpr int kErrorKvLen = 1;  // a kv_lens entry outside [0, capacity]: clamped
 constexpr int kErrorPage = 2;   // a page id outside [0, num_pages): its keys masked
 

@@ -20,6 +20,8 @@ from omnicupy.ops import decode, varlen
 from omnicupy.ops.inputs import check_qkv
 from omnicupy.ops.paged import check_cache_metadata
 
+from decode_cases import paged_from_contiguous
+
 F16 = np.float16
 
 
@@ -284,29 +286,6 @@ def test_cache_metadata_checks_only_pages_in_use():
 # ------------------------------------------------------------------------------ reference paths
 def _random(rng, *shape, dtype=F16):
     return rng.standard_normal(shape).astype(dtype)
-
-
-def paged_from_contiguous(rng, k, v, page_size, layout, lens, spare_pages=3):
-    """Scatter contiguous caches [B, Hkv, N, D] into shuffled pages (the same pages for k and v);
-    table entries past a sequence's last page are -1 (padding, never read)."""
-    B, Hkv, N, D = k.shape
-    per_seq = [-(-int(n) // page_size) for n in lens]
-    num_pages = sum(per_seq) + spare_pages
-    order = rng.permutation(num_pages)
-    table = np.full((B, max(max(per_seq), 1) + 1), -1, np.int32)
-    kp = np.zeros((num_pages, page_size, Hkv, D), k.dtype)
-    vp = np.zeros_like(kp)
-    at = 0
-    for b in range(B):
-        for p in range(per_seq[b]):
-            table[b, p] = page = order[at]
-            at += 1
-            rows = slice(p * page_size, min((p + 1) * page_size, N))
-            kp[page, :rows.stop - rows.start] = k[b, :, rows].transpose(1, 0, 2)
-            vp[page, :rows.stop - rows.start] = v[b, :, rows].transpose(1, 0, 2)
-    if layout == "HND":
-        kp, vp = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (kp, vp))
-    return kp, vp, table
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

@@ -32,7 +32,7 @@ from ..checks import check_int
 from ..dispatch.arch import current_arch, smem_limit
 from ..dispatch.params import COMBINE, DECODE
 from ..dispatch.plan import Plan
-from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, Variant
+from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant
 from ..errors import ArgumentError, KVCacheError
 from ..mask import BlockMask, cdiv, expressions
 from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
@@ -241,6 +241,21 @@ def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows
                             smem_bytes=0, q_tile_order=None, arch=arch,
                             reason=f"merge {splits} partial rows per output row")
     return DecodePlan(split_plan, combine_plan, rows, splits, rule, split_plan.reason)
+
+
+def shipped_variants(arch: Optional[str] = None, head_dims=SUPPORTED_HEAD_DIMS, dtypes=("fp16", "bf16")) -> list[Variant]:
+    """Every decode tile with every mask-feature combination, and the combines: what a precompile
+    builds (score-modifier variants are built on first use)."""
+    out = []
+    for hd in head_dims:
+        for dt in dtypes:
+            for br in (16, 32, 64):
+                for causal in (False, True):
+                    for partial in (False, True):
+                        out.append(decode_variant(hd, dt, br, causal=causal, partial=partial, score_expr=None,
+                                                  arch=arch))
+            out.append(combine_variant(hd, dt))
+    return out
 
 
 # ------------------------------------------------------------------------------------ arguments
