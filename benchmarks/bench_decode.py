@@ -251,7 +251,8 @@ def omnicupy_systems(gpu: Gpu, cache: Cache, names, *, window=None, lens_device=
     if "omnicupy" in names and window is None:
         def contiguous(i):
             q, k, v = cache.contiguous(i)
-            return decode.decode_attention(q, k, v, kv_lens=lens_d if ragged else None, causal=causal)
+            return decode.decode_attention(q, k, v, kv_lens=lens_d if ragged else None,
+                                           causal="bottom_right" if causal else False)
         out["omnicupy"] = (contiguous, {})
     for ps in (16, 64):
         name = f"omnicupy_paged{ps}"
