@@ -23,6 +23,7 @@
 // kBc, kWarps, kStages, kThreads, kHasRule, kHasPartial, kHasScoreMod, Mma, score_mod) and the
 // parameter struct (DecodeParams, omnicupy/dispatch/params.py).
 #pragma once
+#include "decode_bulk.cuh"
 #include "decode_tile.cuh"
 
 namespace omni {
@@ -142,35 +143,55 @@ __device__ __forceinline__ TileInfo next_tile(const Params& p, const Cta& c, int
   return TileInfo{-1, kMasked, 0, 0u};
 }
 
-// Issue this warp's share of the copies of tile t into a ring slot (sK, sV) and record t (with its
-// valid keys) in `info`. Lane j finds the address of key t.start + j (one page-table read on a paged
-// cache); the 16-byte copies then take each row's address from its lane, two (or more) rows per
-// instruction. The kRowWarps warps of a group find the same addresses and copy every
-// kRowWarps-th 32-chunk slice of the tile each.
+// Where key t.start + lane lives: (page, slot) and whether it exists (inside the sequence, on a
+// page of the pool). One page-table read per lane on a paged cache, taken from `hint` when the
+// previous tile of this group prefetched it; then the page ids of the group's next tile (stride
+// `next`) are prefetched into `hint`, so their latency hides behind this tile's math.
+struct PageHint {
+  int start;  // the tile start the prefetched page belongs to (-1: none)
+  int page;
+};
+
+template <class Params>
+__device__ __forceinline__ bool key_address(const Params& p, const Cta& c, int start, int next, int lane,
+                                            PageHint& hint, int& page, int& slot) {
+  const int key = start + lane;
+  bool ok = key < c.len;
+  page = c.b;
+  slot = key;
+  if (p.page_table == nullptr) return ok;
+  const int* row = p.page_table + c.b * p.page_table_sb;
+  page = 0;
+  slot = 0;
+  if (ok) {
+    const int index = key / p.page_size;  // < max_pages: len <= max_pages * page_size
+    page = hint.start == start ? hint.page : __ldg(row + index);
+    slot = key - index * p.page_size;
+    if (page < 0 || page >= p.num_pages) {
+      flag_error(p, kErrorPage);
+      ok = false;
+      page = 0;
+    }
+  }
+  const int ahead = key + next;
+  hint.start = start + next;
+  hint.page = ahead < c.len ? __ldg(row + ahead / p.page_size) : 0;
+  return ok;
+}
+
+// cp.async ring: this warp's share of the 16-byte copies of tile t into a ring slot (sK, sV), and
+// the record of t (with its valid keys) in `info`. The copies take each row's address from its
+// lane, two (or more) rows per instruction; the kRowWarps warps of a group find the same addresses
+// and copy every kRowWarps-th 32-chunk slice of the tile each. Missing rows are zero-filled.
 template <class Cfg, int kRowWarps, class Params>
-__device__ __forceinline__ void issue_tile(const Params& p, const Cta& c, TileInfo t, u16* sK, u16* sV,
-                                           TileInfo* info, const u16* k_base, const u16* v_base, int row_warp,
-                                           int lane) {
+__device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileInfo t, int next, u16* sK, u16* sV,
+                                            TileInfo* info, const u16* k_base, const u16* v_base, int row_warp,
+                                            int lane, PageHint& hint) {
   constexpr int kChunks = Cfg::kHeadDim / 8, kLd = Cfg::kHeadDim + 8;
   static_assert(kChunks % kRowWarps == 0, "the warps of a group share a tile's copies evenly");
   if (t.start >= 0) {
-    const int key = t.start + lane;
-    bool ok = key < c.len;
-    int page = c.b, slot = key;
-    if (p.page_table != nullptr) {
-      page = 0;
-      slot = 0;
-      if (ok) {
-        const int index = key / p.page_size;  // < max_pages: len <= max_pages * page_size
-        page = __ldg(p.page_table + c.b * p.page_table_sb + index);
-        slot = key - index * p.page_size;
-        if (page < 0 || page >= p.num_pages) {
-          flag_error(p, kErrorPage);
-          ok = false;
-          page = 0;
-        }
-      }
-    }
+    int page, slot;
+    const bool ok = key_address(p, c, t.start, next, lane, hint, page, slot);
     t.valid = __ballot_sync(0xffffffffu, ok);
     const i64 k_off = page * p.k_sb + slot * p.k_sn;
     const i64 v_off = page * p.v_sb + slot * p.v_sn;
@@ -186,6 +207,47 @@ __device__ __forceinline__ void issue_tile(const Params& p, const Cta& c, TileIn
     }
   }
   if (row_warp == 0 && lane == 0) *info = t;
+}
+
+// Bulk ring (sm_90): lane j copies row j of K and of V with one bulk copy each, counted in bytes
+// on the slot's barrier `bar`; missing rows are zero-filled by their lane. Lane 0 records t and
+// arrives on the barrier expecting the bytes (none for the walk's end, whose phase then completes
+// at once). Only the group's first warp issues.
+template <class Cfg, class Params>
+__device__ __forceinline__ void issue_bulk(const Params& p, const Cta& c, TileInfo t, int next, u16* sK, u16* sV,
+                                           TileInfo* info, u32 bar, const u16* k_base, const u16* v_base, int lane,
+                                           PageHint& hint) {
+  constexpr int kLd = Cfg::kHeadDim + 8, kRowBytes = Cfg::kHeadDim * 2;
+  bool ok = false;
+  i64 k_off = 0, v_off = 0;
+  u32 bytes = 0;
+  if (t.start >= 0) {
+    int page, slot;
+    ok = key_address(p, c, t.start, next, lane, hint, page, slot);
+    t.valid = __ballot_sync(0xffffffffu, ok);
+    k_off = page * p.k_sb + slot * p.k_sn;
+    v_off = page * p.v_sb + slot * p.v_sn;
+    if (!ok) {
+      const Vec16 zero = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int col = 0; col < Cfg::kHeadDim; col += 8) {
+        *reinterpret_cast<Vec16*>(sK + lane * kLd + col) = zero;
+        *reinterpret_cast<Vec16*>(sV + lane * kLd + col) = zero;
+      }
+      bulk::fence_proxy();  // before a later bulk copy lands in this row
+    }
+    bytes = __popc(t.valid) * kRowBytes * 2;
+  }
+  __syncwarp();  // zero rows written before lane 0 releases the slot's phase
+  if (lane == 0) {
+    *info = t;
+    bulk::arrive_expect(bar, bytes);
+  }
+  __syncwarp();
+  if (ok) {
+    bulk::copy(smem_u32(sK + lane * kLd), k_base + k_off, kRowBytes, bar);
+    bulk::copy(smem_u32(sV + lane * kLd), v_base + v_off, kRowBytes, bar);
+  }
 }
 
 // Barrier of the kRowWarps warps of kv group `group` (named barrier 1 + group; 0 is __syncthreads).
@@ -210,7 +272,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   static_assert(kBc == 32, "a kv tile is one key per lane");
   static_assert(kWarps % kRowWarps == 0 && kKvGroups <= 8, "whole kv groups of kBm / 16 warps, at most 8");
   static_assert(kStages >= 2, "the ring fills one slot while the group computes on another");
-  static_assert(kBm * kLd * 2 + kKvGroups * kStages * (2 * kTile * 2 + (int)sizeof(TileInfo)) <= Cfg::kSmemBytes &&
+  static_assert(kBm * kLd * 2 + kKvGroups * kStages * (2 * kTile * 2 + (int)sizeof(TileInfo) + 8) <= Cfg::kSmemBytes &&
                     kBm * kLd * 2 + kKvGroups * kBm * (kMergeLd + 2) * 4 <= Cfg::kSmemBytes,
                 "shared memory layout exceeds what the host launches with (Variant.smem_bytes)");
 
@@ -218,6 +280,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   u16* sQ = reinterpret_cast<u16*>(smem_raw);                  // [kBm][kLd]
   u16* sRing = sQ + kBm * kLd;                                 // [kKvGroups][kStages][K, V][kBc][kLd]
   TileInfo* sInfo = reinterpret_cast<TileInfo*>(sRing + kKvGroups * kStages * 2 * kTile);  // [kKvGroups][kStages]
+  u64* sBars = reinterpret_cast<u64*>(sInfo + kKvGroups * kStages);                           // [kKvGroups][kStages]
   // After the walk, the same bytes as the ring:
   float* sMergeO = reinterpret_cast<float*>(sRing);            // [kKvGroups][kBm][kMergeLd]
   float* sMergeM = sMergeO + kKvGroups * kBm * kMergeLd;       // [kKvGroups][kBm]
@@ -255,17 +318,42 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   const u16* v_base = p.v + static_cast<i64>(c.hk) * p.v_sh;
   u16* ring = sRing + group * kStages * 2 * kTile;
   TileInfo* ring_info = sInfo + group * kStages;
+  const u32 ring_bars = smem_u32(sBars + group * kStages);
+  // Bulk copies (sm_90, when the host asks for them) or the cp.async ring.
+  const bool use_bulk = bulk::kBulkCopies && p.bulk_copy != 0;
+  const bool issuer = !use_bulk || row_warp == 0;  // the bulk ring is filled by the group's first warp
+  constexpr int kNext = kKvGroups * kBc;             // from one tile of the group to its next
+  PageHint hint{-1, 0};
+  auto issue = [&](TileInfo t, int slot) {
+    u16* sK = ring + slot * 2 * kTile;
+    if (use_bulk) {
+      issue_bulk<Cfg>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, ring_bars + slot * 8, k_base, v_base, lane,
+                      hint);
+    } else {
+      issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
+                                  hint);
+      cp_async_commit();
+    }
+  };
+  if (use_bulk && threadIdx.x == 0) {
+    for (int i = 0; i < kKvGroups * kStages; ++i) bulk::init(smem_u32(sBars + i), 1);
+    bulk::fence_init();
+  }
+  __syncthreads();  // the barriers are initialized before anyone arrives on them
 
   // ---- fill the ring: kStages - 1 tiles in flight
   int g = c.g_begin + group;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    issue_tile<Cfg, kRowWarps>(p, c, next_tile<Cfg>(p, c, g), ring + s * 2 * kTile, ring + s * 2 * kTile + kTile,
-                               ring_info + s, k_base, v_base, row_warp, lane);
-    cp_async_commit();
+    const TileInfo t = next_tile<Cfg>(p, c, g);
+    if (issuer) issue(t, s);
   }
-  cp_async_wait<kStages - 1>();  // Q has landed (this thread's part) ...
-  __syncthreads();               // ... and everyone's
+  if (use_bulk) {
+    cp_async_wait<0>();           // Q has landed (this thread's part) ...
+  } else {
+    cp_async_wait<kStages - 1>();
+  }
+  __syncthreads();                // ... and everyone's
 
   float acc_o[kMTiles][kDTiles][4];
   float m_i[kMTiles][2], l_i[kMTiles][2];
@@ -282,18 +370,21 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   const u32 ring_addr = smem_u32(ring);
   const int k_lane = T::k_lane(lane) * 2, v_lane = (kTile + T::v_lane(lane)) * 2;
 
-  // ---- the walk. Each tile: refill the slot the previous tile freed, wait for this tile's copies
-  // (the group's barrier makes every warp's share visible), compute, and let the group finish with
-  // the slot (second barrier) before it is refilled.
-  for (int stage = 0;; stage = (stage + 1) % kStages) {
+  // ---- the walk. Each tile: refill the slot the previous tile freed, wait for this tile (the
+  // slot's barrier phase with bulk copies; this thread's copies and then the group's barrier with
+  // cp.async), compute, and let the group finish with the slot (second barrier) before it is
+  // refilled.
+  for (int iter = 0, stage = 0;; ++iter, stage = (stage + 1) % kStages) {
     {
-      const int fill = (stage + kStages - 1) % kStages;
-      issue_tile<Cfg, kRowWarps>(p, c, next_tile<Cfg>(p, c, g), ring + fill * 2 * kTile,
-                                 ring + fill * 2 * kTile + kTile, ring_info + fill, k_base, v_base, row_warp, lane);
-      cp_async_commit();
+      const TileInfo t = next_tile<Cfg>(p, c, g);
+      if (issuer) issue(t, (stage + kStages - 1) % kStages);
     }
-    cp_async_wait<kStages - 1>();
-    group_sync<kRowWarps>(group);
+    if (use_bulk) {
+      bulk::wait(ring_bars + stage * 8, (iter / kStages) & 1);
+    } else {
+      cp_async_wait<kStages - 1>();
+      group_sync<kRowWarps>(group);
+    }
     const TileInfo t = ring_info[stage];
     if (t.start < 0) break;
     const u32 slot_addr = ring_addr + stage * 2 * kTile * 2;

@@ -156,18 +156,19 @@ def test_pack_rows(group, q_len, shared, want):
 
 
 SPLITS = [
-    pytest.param(8, 4096, 4, 1, 132, 16, id="b1-128k"),
-    pytest.param(8, 256, 4, 1, 132, 16, id="b1-8k"),
-    pytest.param(64, 4096, 4, 1, 132, 2, id="b8"),
-    pytest.param(256, 4096, 4, 1, 132, 1, id="b32"),
-    pytest.param(8, 4, 4, 1, 132, 1, id="short-cache"),
-    pytest.param(8, 40, 4, 1, 132, 5, id="bounded-by-length"),
+    pytest.param(8, 4096, 4, 1, 132, False, 16, id="b1-128k"),
+    pytest.param(8, 256, 4, 1, 132, False, 16, id="b1-8k"),
+    pytest.param(64, 4096, 4, 1, 132, False, 2, id="b8"),
+    pytest.param(256, 4096, 4, 1, 132, False, 1, id="b32"),
+    pytest.param(256, 4096, 4, 1, 132, True, 3, id="b32-ragged-four-waves"),
+    pytest.param(8, 4, 4, 1, 132, True, 1, id="short-cache"),
+    pytest.param(8, 40, 4, 1, 132, False, 5, id="bounded-by-length"),
 ]
 
 
-@pytest.mark.parametrize("units,tiles,groups,per_sm,sms,want", SPLITS)
-def test_split_heuristic(units, tiles, groups, per_sm, sms, want):
-    assert decode.choose_splits(units, tiles, groups, per_sm, sms) == want
+@pytest.mark.parametrize("units,tiles,groups,per_sm,sms,ragged,want", SPLITS)
+def test_split_heuristic(units, tiles, groups, per_sm, sms, ragged, want):
+    assert decode.choose_splits(units, tiles, groups, per_sm, sms, ragged) == want
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -151,13 +152,20 @@ def _sms(num_sms: Optional[int]) -> int:
     return DEFAULT_SMS
 
 
-def choose_splits(units: int, tiles: int, kv_groups: int, ctas_per_sm: int, num_sms: int) -> int:
+#: Sequences of different lengths: split until there are this many waves of CTAs, so that the
+#: long sequences' CTAs do not run alone at the end.
+RAGGED_WAVES = 4
+
+
+def choose_splits(units: int, tiles: int, kv_groups: int, ctas_per_sm: int, num_sms: int, ragged: bool = False) -> int:
     """How many CTAs share one (m tile, kv head, batch)'s keys.
 
-    ``units`` CTAs exist without splitting, each walking ``tiles`` 32-key tiles. Splits fill the
-    machine: among the split counts that leave every kv group at least MIN_TILES_PER_GROUP tiles,
-    the smallest whose wave efficiency (CTAs over the slots of the waves they take) is within
-    WAVE_TOLERANCE of the best. Fewer splits mean less partial traffic and a cheaper combine."""
+    ``units`` CTAs exist without splitting, each walking up to ``tiles`` 32-key tiles. Splits fill
+    the machine: among the split counts that leave every kv group at least MIN_TILES_PER_GROUP
+    tiles, the smallest whose wave efficiency (CTAs over the slots of the waves they take) is
+    within WAVE_TOLERANCE of the best. Fewer splits mean less partial traffic and a cheaper
+    combine. With ``ragged`` lengths (or lengths known only on the device) the work per CTA
+    differs, so the split count also reaches RAGGED_WAVES waves, for balance."""
     slots = num_sms * max(1, ctas_per_sm)
     most = max(1, min(MAX_SPLITS, tiles // (MIN_TILES_PER_GROUP * kv_groups)))
 
@@ -166,7 +174,10 @@ def choose_splits(units: int, tiles: int, kv_groups: int, ctas_per_sm: int, num_
         return ctas / (cdiv(ctas, slots) * slots)
 
     best = max(efficiency(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_TOLERANCE * best)
+    splits = next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_TOLERANCE * best)
+    if ragged:
+        splits = max(splits, min(most, cdiv(RAGGED_WAVES * slots, units)))
+    return splits
 
 
 def _ctas_per_sm(variant: Variant, arch: Optional[str]) -> int:
@@ -200,19 +211,20 @@ def combine_variant(head_dim: int, dtype: str) -> Variant:
 
 def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads: int, q_len: int,
                   longest: int, rows: Rows, rule: Optional[Rule], mask_features: tuple[bool, bool] = (False, False),
-                  score_expr: Optional[tuple] = None, num_splits: Optional[int] = None,
+                  score_expr: Optional[tuple] = None, num_splits: Optional[int] = None, ragged: bool = False,
                   arch: Optional[str] = None, num_sms: Optional[int] = None, why: str = "") -> DecodePlan:
     """Plan both kernels. ``longest``: the most keys one tile's walk can cover (bounds the splits);
-    ``rule`` None means mask mode with ``mask_features`` (causal, partial). Plans are cached: a
-    decode loop plans once per power of two of its longest sequence."""
+    ``ragged``: sequence lengths differ or are not known on the host (choose_splits); ``rule`` None
+    means mask mode with ``mask_features`` (causal, partial). Plans are cached: a decode loop plans
+    once per power of two of its longest sequence."""
     longest = 1 << max(longest - 1, 0).bit_length()
     return _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features,
-                          score_expr, num_splits, arch, _sms(num_sms), why)
+                          score_expr, num_splits, ragged, arch, _sms(num_sms), why)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features, score_expr,
-                   num_splits, arch, sms, why) -> DecodePlan:
+                   num_splits, ragged, arch, sms, why) -> DecodePlan:
     if rule is not None:
         causal, partial = rule.causal or rule.window > 0, False
     else:
@@ -222,8 +234,9 @@ def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows
     units = batch * kv_heads * rows.m_tiles
     if num_splits is None:
         splits = choose_splits(units, cdiv(max(longest, 1), DECODE_BC), split_v.kv_groups,
-                               _ctas_per_sm(split_v, arch), sms)
-        how = f"{splits} splits from the heuristic ({units} CTAs unsplit, {sms} SMs, up to {longest} keys)"
+                               _ctas_per_sm(split_v, arch), sms, ragged)
+        how = (f"{splits} splits from the heuristic ({units} CTAs unsplit, {sms} SMs, up to {longest} keys"
+               + (", ragged lengths" if ragged else "") + ")")
     else:
         splits = num_splits
         how = f"{splits} splits as asked"
@@ -287,6 +300,15 @@ def check_lengths(kv_lens: Any, batch: int, capacity: int, name: str = "kv_lens"
     if x.dtype != np.int32:
         raise ArgumentError(f"{name} on the device must be int32 (no hidden copies), got {x.dtype}")
     return x
+
+
+def is_ragged(kv_lens: Any) -> bool:
+    """Whether lengths may differ: device lengths (unknown here) or host lengths that do."""
+    if kv_lens is None:
+        return False
+    if not arrays.is_numpy(kv_lens):
+        return True
+    return kv_lens.size > 1 and int(kv_lens.min()) != int(kv_lens.max())
 
 
 def _longest(kv_lens: Any, capacity: int) -> int:
@@ -359,12 +381,13 @@ def decode_plan(inp: Inputs, block_mask: Optional[BlockMask], kv_lens: Any = Non
         features = (block_mask.features.causal, block_mask.features.partial)
         return plan_split_kv(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads,
                              kv_heads=inp.kv_heads, q_len=inp.q_len, longest=longest, rows=rows, rule=None,
-                             mask_features=features, score_expr=skey, num_splits=splits, arch=arch, num_sms=num_sms,
-                             why=f"{rows.br}-row m tiles over a block mask")
+                             mask_features=features, score_expr=skey, num_splits=splits, ragged=is_ragged(lens),
+                             arch=arch, num_sms=num_sms, why=f"{rows.br}-row m tiles over a block mask")
     rule = Rule(causal=mode is not None, bottom_right=mode == "bottom_right" or (kv_lens is not None and mode is not None))
     return plan_split_kv(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads,
                          kv_heads=inp.kv_heads, q_len=inp.q_len, longest=rule_span(rule, inp.q_len, longest),
-                         rows=rows, rule=rule, score_expr=skey, num_splits=splits, arch=arch, num_sms=num_sms,
+                         rows=rows, rule=rule, score_expr=skey, num_splits=splits, ragged=is_ragged(lens), arch=arch,
+                         num_sms=num_sms,
                          why=f"{group * inp.q_len} query rows per kv head (GQA group {group} x Nq {inp.q_len})")
 
 
@@ -439,6 +462,18 @@ def device_lengths(kv_lens: Any):
     d = arrays.to_cupy(kv_lens, "kv_lens")
     check_device(d, "kv_lens")
     return arrays.cupy_module().ascontiguousarray(d, dtype=np.int32)
+
+
+COPY_MODES = ("bulk", "cp.async")
+
+
+def copy_mode() -> str:
+    """How the decode kernel fills its K/V ring: ``bulk`` (one bulk copy per row, on sm_90; other
+    GPUs fall back to cp.async by themselves) or ``cp.async``. OMNICUPY_DECODE_COPY overrides."""
+    raw = os.environ.get("OMNICUPY_DECODE_COPY", "bulk").strip().lower() or "bulk"
+    if raw not in COPY_MODES:
+        raise ArgumentError(f"environment variable OMNICUPY_DECODE_COPY={raw!r} must be one of {COPY_MODES}")
+    return raw
 
 
 _error_words: dict[int, Any] = {}
@@ -518,6 +553,7 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "m_tiles": r.m_tiles, "num_splits": splits,
         "causal": int(rule.causal), "window": int(rule.window), "bottom_right": int(rule.bottom_right),
         "q_abs": int(rule.q_abs),
+        "bulk_copy": int(copy_mode() == "bulk"),
         "scale": scale,
         # Scores reach the softmax raw, the scale folded into exp2, unless a score modifier needs
         # them scaled first (then the softmax works in natural units).

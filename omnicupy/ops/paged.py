@@ -154,7 +154,8 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
     plan = decode.plan_split_kv(head_dim=D, dtype=dtype, batch=B, heads=Hq, kv_heads=kv_heads, q_len=Nq,
                                 longest=longest, rows=decode.pack_rows(Hq // kv_heads, Nq), rule=rule,
                                 score_expr=score_expr.key if score_expr is not None else None, num_splits=splits,
-                                arch=decode.current_arch(), why=f"paged cache ({layout}, page size {page_size})")
+                                ragged=decode.is_ragged(lens), arch=decode.current_arch(),
+                                why=f"paged cache ({layout}, page size {page_size})")
     o = None
     if out is not None and arrays.is_cupy(out):
         check_device(out, "out")
