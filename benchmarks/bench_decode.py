@@ -241,17 +241,13 @@ def check(cache: Cache, out, *, page_size=None, window=None, causal=True) -> flo
 
 # ------------------------------------------------------------------------------------ systems
 def _configure(decode, br: int, variant: str) -> None:
-    """Before an omnicupy call: the decode tile and copy mode a system name asks for.
-    ``omnicupy`` uses the shipped ones; ``omnicupy@WxS`` W warps and S stages for this cell's m tile;
-    ``omnicupy@cp.async`` the cp.async ring instead of bulk copies."""
-    import os
-
+    """Before an omnicupy call: the decode tile a system name asks for. ``omnicupy`` uses the
+    shipped one; ``omnicupy@WxS`` W warps and S ring stages for this cell's m tile."""
     key = (D, br)
     want = DEFAULT_TILES[key]
     if "x" in variant:
         w, st = variant.split("x")
         want = (int(w), int(st))
-    os.environ["OMNICUPY_DECODE_COPY"] = "cp.async" if variant == "cp.async" else "bulk"
     if decode.DECODE_TILES[key] != want:
         decode.DECODE_TILES[key] = want
         decode._plan_split_kv.cache_clear()

@@ -23,7 +23,6 @@
 // kBc, kWarps, kStages, kThreads, kHasRule, kHasPartial, kHasScoreMod, Mma, score_mod) and the
 // parameter struct (DecodeParams, omnicupy/dispatch/params.py).
 #pragma once
-#include "decode_bulk.cuh"
 #include "decode_tile.cuh"
 
 namespace omni {
@@ -179,7 +178,7 @@ __device__ __forceinline__ bool key_address(const Params& p, const Cta& c, int s
   return ok;
 }
 
-// cp.async ring: this warp's share of the 16-byte copies of tile t into a ring slot (sK, sV), and
+// This warp's share of the 16-byte copies of tile t into a ring slot (sK, sV), and
 // the record of t (with its valid keys) in `info`. The copies take each row's address from its
 // lane, two (or more) rows per instruction; the kRowWarps warps of a group find the same addresses
 // and copy every kRowWarps-th 32-chunk slice of the tile each. Missing rows are zero-filled.
@@ -209,47 +208,6 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
   if (row_warp == 0 && lane == 0) *info = t;
 }
 
-// Bulk ring (sm_90): lane j copies row j of K and of V with one bulk copy each, counted in bytes
-// on the slot's barrier `bar`; missing rows are zero-filled by their lane. Lane 0 records t and
-// arrives on the barrier expecting the bytes (none for the walk's end, whose phase then completes
-// at once). Only the group's first warp issues.
-template <class Cfg, class Params>
-__device__ __forceinline__ void issue_bulk(const Params& p, const Cta& c, TileInfo t, int next, u16* sK, u16* sV,
-                                           TileInfo* info, u32 bar, const u16* k_base, const u16* v_base, int lane,
-                                           PageHint& hint) {
-  constexpr int kLd = Cfg::kHeadDim + 8, kRowBytes = Cfg::kHeadDim * 2;
-  bool ok = false;
-  i64 k_off = 0, v_off = 0;
-  u32 bytes = 0;
-  if (t.start >= 0) {
-    int page, slot;
-    ok = key_address(p, c, t.start, next, lane, hint, page, slot);
-    t.valid = __ballot_sync(0xffffffffu, ok);
-    k_off = page * p.k_sb + slot * p.k_sn;
-    v_off = page * p.v_sb + slot * p.v_sn;
-    if (!ok) {
-      const Vec16 zero = {0u, 0u, 0u, 0u};
-#pragma unroll
-      for (int col = 0; col < Cfg::kHeadDim; col += 8) {
-        *reinterpret_cast<Vec16*>(sK + lane * kLd + col) = zero;
-        *reinterpret_cast<Vec16*>(sV + lane * kLd + col) = zero;
-      }
-      bulk::fence_proxy();  // before a later bulk copy lands in this row
-    }
-    bytes = __popc(t.valid) * kRowBytes * 2;
-  }
-  __syncwarp();  // zero rows written before lane 0 releases the slot's phase
-  if (lane == 0) {
-    *info = t;
-    bulk::arrive_expect(bar, bytes);
-  }
-  __syncwarp();
-  if (ok) {
-    bulk::copy(smem_u32(sK + lane * kLd), k_base + k_off, kRowBytes, bar);
-    bulk::copy(smem_u32(sV + lane * kLd), v_base + v_off, kRowBytes, bar);
-  }
-}
-
 // Barrier of the kRowWarps warps of kv group `group` (named barrier 1 + group; 0 is __syncthreads).
 template <int kRowWarps>
 __device__ __forceinline__ void group_sync(int group) {
@@ -272,7 +230,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   static_assert(kBc == 32, "a kv tile is one key per lane");
   static_assert(kWarps % kRowWarps == 0 && kKvGroups <= 8, "whole kv groups of kBm / 16 warps, at most 8");
   static_assert(kStages >= 2, "the ring fills one slot while the group computes on another");
-  static_assert(kBm * kLd * 2 + kKvGroups * kStages * (2 * kTile * 2 + (int)sizeof(TileInfo) + 8) <= Cfg::kSmemBytes &&
+  static_assert(kBm * kLd * 2 + kKvGroups * kStages * (2 * kTile * 2 + (int)sizeof(TileInfo)) <= Cfg::kSmemBytes &&
                     kBm * kLd * 2 + kKvGroups * kBm * (kMergeLd + 2) * 4 <= Cfg::kSmemBytes,
                 "shared memory layout exceeds what the host launches with (Variant.smem_bytes)");
 
@@ -280,7 +238,6 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   u16* sQ = reinterpret_cast<u16*>(smem_raw);                  // [kBm][kLd]
   u16* sRing = sQ + kBm * kLd;                                 // [kKvGroups][kStages][K, V][kBc][kLd]
   TileInfo* sInfo = reinterpret_cast<TileInfo*>(sRing + kKvGroups * kStages * 2 * kTile);  // [kKvGroups][kStages]
-  u64* sBars = reinterpret_cast<u64*>(sInfo + kKvGroups * kStages);                           // [kKvGroups][kStages]
   // After the walk, the same bytes as the ring:
   float* sMergeO = reinterpret_cast<float*>(sRing);            // [kKvGroups][kBm][kMergeLd]
   float* sMergeM = sMergeO + kKvGroups * kBm * kMergeLd;       // [kKvGroups][kBm]
@@ -318,42 +275,23 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   const u16* v_base = p.v + static_cast<i64>(c.hk) * p.v_sh;
   u16* ring = sRing + group * kStages * 2 * kTile;
   TileInfo* ring_info = sInfo + group * kStages;
-  const u32 ring_bars = smem_u32(sBars + group * kStages);
-  // Bulk copies (sm_90, when the host asks for them) or the cp.async ring.
-  const bool use_bulk = bulk::kBulkCopies && p.bulk_copy != 0;
-  const bool issuer = !use_bulk || row_warp == 0;  // the bulk ring is filled by the group's first warp
-  constexpr int kNext = kKvGroups * kBc;             // from one tile of the group to its next
+  constexpr int kNext = kKvGroups * kBc;  // from one tile of the group to its next
   PageHint hint{-1, 0};
   auto issue = [&](TileInfo t, int slot) {
     u16* sK = ring + slot * 2 * kTile;
-    if (use_bulk) {
-      issue_bulk<Cfg>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, ring_bars + slot * 8, k_base, v_base, lane,
-                      hint);
-    } else {
-      issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
-                                  hint);
-      cp_async_commit();
-    }
+    issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
+                                hint);
+    cp_async_commit();
   };
-  if (use_bulk && threadIdx.x == 0) {
-    for (int i = 0; i < kKvGroups * kStages; ++i) bulk::init(smem_u32(sBars + i), 1);
-    bulk::fence_init();
-  }
-  __syncthreads();  // the barriers are initialized before anyone arrives on them
 
   // ---- fill the ring: kStages - 1 tiles in flight
   int g = c.g_begin + group;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    const TileInfo t = next_tile<Cfg>(p, c, g);
-    if (issuer) issue(t, s);
+    issue(next_tile<Cfg>(p, c, g), s);
   }
-  if (use_bulk) {
-    cp_async_wait<0>();           // Q has landed (this thread's part) ...
-  } else {
-    cp_async_wait<kStages - 1>();
-  }
-  __syncthreads();                // ... and everyone's
+  cp_async_wait<kStages - 1>();  // Q has landed (this thread's part) ...
+  __syncthreads();               // ... and everyone's
 
   float acc_o[kMTiles][kDTiles][4];
   float m_i[kMTiles][2], l_i[kMTiles][2];
@@ -370,21 +308,13 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   const u32 ring_addr = smem_u32(ring);
   const int k_lane = T::k_lane(lane) * 2, v_lane = (kTile + T::v_lane(lane)) * 2;
 
-  // ---- the walk. Each tile: refill the slot the previous tile freed, wait for this tile (the
-  // slot's barrier phase with bulk copies; this thread's copies and then the group's barrier with
-  // cp.async), compute, and let the group finish with the slot (second barrier) before it is
-  // refilled.
-  for (int iter = 0, stage = 0;; ++iter, stage = (stage + 1) % kStages) {
-    {
-      const TileInfo t = next_tile<Cfg>(p, c, g);
-      if (issuer) issue(t, (stage + kStages - 1) % kStages);
-    }
-    if (use_bulk) {
-      bulk::wait(ring_bars + stage * 8, (iter / kStages) & 1);
-    } else {
-      cp_async_wait<kStages - 1>();
-      group_sync<kRowWarps>(group);
-    }
+  // ---- the walk. Each tile: refill the slot the previous tile freed, wait for this tile's copies
+  // (the group's barrier makes every warp's share visible), compute, and let the group finish with
+  // the slot (second barrier) before it is refilled.
+  for (int stage = 0;; stage = (stage + 1) % kStages) {
+    issue(next_tile<Cfg>(p, c, g), (stage + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();
+    group_sync<kRowWarps>(group);
     const TileInfo t = ring_info[stage];
     if (t.start < 0) break;
     const u32 slot_addr = ring_addr + stage * 2 * kTile * 2;

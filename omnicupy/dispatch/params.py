@@ -90,7 +90,6 @@ DECODE = ParamStruct("DecodeParams", (
     Param("window", "i32", doc="rule mode: > 0 allows kv > the query's position - window"),
     Param("bottom_right", "i32", doc="query i sits at position kv_len(b) - Nq + i (else i)"),
     Param("q_abs", "i32", doc="score modifiers see that position as q_idx (else i)"),
-    Param("bulk_copy", "i32", doc="sm_90: fill the K/V ring with bulk copies (else cp.async)"),
     Param("scale", "f32"),
     Param("scale_log2", "f32"),
     # Block-mask mode (kv_num_blocks non-null): the CTA walks one row of the mask, shared by its

@@ -42,9 +42,8 @@ DECODE_BC = 32
 DECODE_BR = (16, 32, 64)
 DECODE_STAGES = (2, 3, 4, 5)
 DECODE_WARP_ROWS = 16
-#: Per kv group and stage: the ring's record of the tile in flight (start, type, pool index, valid
-#: bits, 16 bytes) and the slot's transaction barrier (8 bytes).
-DECODE_RING_BYTES = 24
+#: Per kv group and stage, the ring's record of the tile in flight (start, type, pool index, valid bits).
+DECODE_RING_BYTES = 16
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -464,18 +463,6 @@ def device_lengths(kv_lens: Any):
     return arrays.cupy_module().ascontiguousarray(d, dtype=np.int32)
 
 
-COPY_MODES = ("bulk", "cp.async")
-
-
-def copy_mode() -> str:
-    """How the decode kernel fills its K/V ring: ``bulk`` (one bulk copy per row, on sm_90; other
-    GPUs fall back to cp.async by themselves) or ``cp.async``. OMNICUPY_DECODE_COPY overrides."""
-    raw = os.environ.get("OMNICUPY_DECODE_COPY", "bulk").strip().lower() or "bulk"
-    if raw not in COPY_MODES:
-        raise ArgumentError(f"environment variable OMNICUPY_DECODE_COPY={raw!r} must be one of {COPY_MODES}")
-    return raw
-
-
 _error_words: dict[int, Any] = {}
 
 
@@ -553,7 +540,6 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "m_tiles": r.m_tiles, "num_splits": splits,
         "causal": int(rule.causal), "window": int(rule.window), "bottom_right": int(rule.bottom_right),
         "q_abs": int(rule.q_abs),
-        "bulk_copy": int(copy_mode() == "bulk"),
         "scale": scale,
         # Scores reach the softmax raw, the scale folded into exp2, unless a score modifier needs
         # them scaled first (then the softmax works in natural units).
