@@ -161,6 +161,8 @@ SPLITS = [
     pytest.param(64, 4096, 4, 1, 132, False, 2, id="b8"),
     pytest.param(256, 4096, 4, 1, 132, False, 1, id="b32"),
     pytest.param(256, 4096, 4, 1, 132, True, 3, id="b32-ragged-four-waves"),
+    pytest.param(256, 256, 4, 1, 132, True, 1, id="b32-ragged-8k-keeps-long-splits"),
+    pytest.param(8, 4096, 4, 1, 132, True, 16, id="b1-ragged-one-wave-is-enough"),
     pytest.param(8, 4, 4, 1, 132, True, 1, id="short-cache"),
     pytest.param(8, 40, 4, 1, 132, False, 5, id="bounded-by-length"),
 ]
