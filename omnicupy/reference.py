@@ -111,6 +111,15 @@ def relative_error(actual: Any, expected: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------- KV caches
+def _score_mod_of_sequence(score_mod: Callable, b: int, q_offset: int) -> Callable:
+    """``score_mod`` as ``attention`` calls it for one sequence (batch index 0): the real batch
+    index b, query indices shifted by ``q_offset``."""
+    def mod(s, _b, h, qi, kj):
+        return score_mod(s, b, h, qi + q_offset, kj)
+
+    return mod
+
+
 def _cache_attention(q64: np.ndarray, keys: list, values: list, lens: np.ndarray, *, causal: bool, bottom_right: bool,
                      window: Optional[int], scale: Optional[float], score_mod: Optional[Callable], mask: MaskLike,
                      q_abs: bool):
@@ -139,10 +148,7 @@ def _cache_attention(q64: np.ndarray, keys: list, values: list, lens: np.ndarray
                                        allowed.shape)
         elif dense is not None:
             allowed &= np.broadcast_to(dense[min(b, dense.shape[0] - 1)], (Hq, Nq, dense.shape[-1]))[..., :L]
-        mod = None
-        if score_mod is not None:
-            def mod(s, _b, h, qi, kj, b=b, shift=shift):
-                return score_mod(s, b, h, qi + shift if q_abs else qi, kj)
+        mod = None if score_mod is None else _score_mod_of_sequence(score_mod, b, shift if q_abs else 0)
         o, l = attention(q64[b:b + 1], keys[b][None], values[b][None], allowed[None], scale=scale, score_mod=mod,
                          return_lse=True)
         out[b], lse[b] = o[0], l[0]
