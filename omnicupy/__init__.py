@@ -15,15 +15,17 @@ from ._version import __version__
 from .dispatch.plan import Plan
 from .ops.forward import attention, omni_attn_mma_blockmask, plan
 from .ops.backward import attention_backward
+from .ops.paged import paged_attention
+from .ops.varlen import varlen_attention
 from .mask import BlockMask, BlockType
-from .errors import ArgumentError, CompileError, MaskError, NoGPUError, OmnicupyError
+from .errors import ArgumentError, CompileError, KVCacheError, MaskError, NoGPUError, OmnicupyError
 from .mask.expressions import cuda_mask
 from . import reference
 
 __all__ = [
-    "__version__", "attention", "attention_backward", "plan", "Plan", "omni_attn_mma_blockmask", "BlockMask", "BlockType", "reference", "masks",
-    "score_mods", "cuda_mask", "cuda_score",
-    "ArgumentError", "CompileError", "MaskError", "NoGPUError", "OmnicupyError",
+    "__version__", "attention", "attention_backward", "plan", "Plan", "omni_attn_mma_blockmask", "BlockMask",
+    "BlockType", "reference", "masks", "score_mods", "cuda_mask", "cuda_score", "paged_attention", "varlen_attention",
+    "ArgumentError", "CompileError", "KVCacheError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 
 _LAZY_SUBMODULES = {"masks", "mask", "cli", "jit", "dispatch", "ops", "score_mods"}

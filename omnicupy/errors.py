@@ -39,3 +39,8 @@ class SizeLimitError(ArgumentError):
 class AliasError(ArgumentError):
     """An output buffer that shares memory with an input or another output, or whose own elements
     overlap (a zero or self-overlapping stride)."""
+
+
+class KVCacheError(ArgumentError):
+    """A KV cache's metadata that does not fit the cache: kv_lens beyond the cache or its page table,
+    page ids outside the page pool (omnicupy.paged_attention, attention(kv_lens=...))."""

@@ -207,4 +207,4 @@ def test_backward_variant_compiles(variant, arch, compile_cache):
     assert entry.meta["kernel"] == variant.name and entry.size > 1000
     source = jit.render.render_source(variant)
     for suffix in ("_pre", "", "_dq"):
-        assert "void __launch_bounds__(" in source and f" {variant.name}{suffix}(const __grid_constant__ BwdParams p)" in source
+        assert "void __launch_bounds__(" in source and f" {variant.name}{suffix}(const __grid_constant__ BwdParams params)" in source

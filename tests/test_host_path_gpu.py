@@ -80,13 +80,16 @@ def test_graph_capture_and_replay(mask_kind):
         stream.begin_capture()
         omnicupy.attention(q, k, v, bm, out=out, **kwargs)
         graph = stream.end_capture()
-    expected = omnicupy.attention(q, k, v, bm, **kwargs)
-    out.fill(float("nan"))
-    graph.launch(stream)
+    with stream:  # everything on the replay's stream: no race between the copies and the graph
+        expected = omnicupy.attention(q, k, v, bm, **kwargs)
+        out.fill(float("nan"))
+        graph.launch(stream)
     stream.synchronize()
     assert cp.array_equal(out, expected), f"seed {SEED}"
     q2, k2, v2 = _inputs(cp, SEED + 7)  # replay reads whatever the captured buffers hold now
-    q[...], k[...], v[...] = q2, k2, v2
-    graph.launch(stream)
+    cp.cuda.Device().synchronize()
+    with stream:
+        q[...], k[...], v[...] = q2, k2, v2
+        graph.launch(stream)
     stream.synchronize()
     assert cp.array_equal(out, omnicupy.attention(q2, k2, v2, bm, **kwargs)), f"seed {SEED + 7}"

@@ -97,7 +97,7 @@ def test_short_lookup_array_is_refused_by_attention():
                                                                    "t": np.zeros(100, np.float32)})
     with pytest.raises(ExpressionError, match="'t'.*has 100 elements"):
         omnicupy.attention(q, k, v, score_mod=slope)
-    doc = np.repeat(np.arange(4), 64).astype(np.int32)
+    doc = np.repeat(np.arange(4), [50, 70, 64, 72]).astype(np.int32)  # boundaries inside blocks: PARTIAL ones
     cm = omnicupy.cuda_mask("doc[q_idx] == doc[kv_idx] && h < 2 && t[b] == 0",
                             arrays={"doc": doc, "t": np.zeros(1, np.int32)})
     bm = BlockMask.from_mask_mod(cm, None, None, 256, 256, q_block_size=64, kv_block_size=64)

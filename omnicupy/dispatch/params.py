@@ -94,7 +94,78 @@ BACKWARD = ParamStruct("BwdParams", (
     Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
 ))
 
-#: operation -> its struct (Variant.operation keys this).
-STRUCTS = {"forward": FORWARD, "backward": BACKWARD}
+#: Split-KV decode (templates/attention_decode.cu.jinja, kernels/decode_split.cuh): one CTA per
+#: (m tile, split, kv head, batch), flattened on grid.x. The rows of an m tile are query heads of
+#: one kv head's group times query positions (GQA packing); see omnicupy/ops/decode.py.
+DECODE = ParamStruct("DecodeParams", (
+    Param("q", "ptr", "const u16*", doc="[B, Hq, Nq, D]"),
+    Param("k", "ptr", "const u16*", doc="contiguous [B, Hkv, Nkv, D] or pages (NHD / HND)"),
+    Param("v", "ptr", "const u16*", doc="same layout as k"),
+    Param("o", "ptr", "u16*", doc="[B, Hq, Nq, D]; written when num_splits == 1"),
+    Param("lse", "ptr", "float*", doc="[B, Hq, Nq] fp32 natural log, or null; when num_splits == 1"),
+    Param("part_o", "ptr", "float*", doc="[splits, B*Hq*Nq, D] fp32 unnormalized partial outputs, or null"),
+    Param("part_ml", "ptr", "float*", doc="[splits, B*Hq*Nq, 2] fp32 (row max in log2 units, row sum), or null"),
+    *_strides("q", "q"),
+    # k/v: element offset of kv row j of (batch b, kv head hk) is
+    #   page * k_sb + hk * k_sh + slot * k_sn, with (page, slot) = (b, j) for a contiguous cache and
+    #   (page_table[b, j / page_size], j % page_size) for a paged one.
+    Param("k_sb", "i64", doc="k stride over batch (contiguous) or pages (paged), elements"),
+    Param("k_sh", "i64"), Param("k_sn", "i64"),
+    Param("v_sb", "i64"), Param("v_sh", "i64"), Param("v_sn", "i64"),
+    *_strides("o", "o"),
+    Param("kv_lens", "ptr", "const int*", doc="[B] keys per sequence, or null: kv_len for all"),
+    Param("page_table", "ptr", "const int*", doc="[B, max_pages] page ids, or null: contiguous cache"),
+    Param("page_table_sb", "i64", doc="page_table stride over batch, elements"),
+    Param("max_pages", "i32"),
+    Param("page_size", "i32"),
+    Param("num_pages", "i32"),
+    Param("errors", "ptr", "int*", doc="bit flags of bad kv_lens / page ids met on the device, or null"),
+    Param("batch", "i32"),
+    Param("num_heads", "i32", doc="Hq"),
+    Param("kv_heads", "i32", doc="Hkv"),
+    Param("q_len", "i32", doc="Nq"),
+    Param("kv_len", "i32", doc="capacity: Nkv, or max_pages * page_size"),
+    Param("kv_group", "i32", doc="Hq / Hkv"),
+    Param("heads_per_tile", "i32", doc="query heads of one group per m tile (P)"),
+    Param("q_per_tile", "i32", doc="query positions per m tile (Q); row r is head r / Q, position r % Q"),
+    Param("head_blocks", "i32", doc="ceil(kv_group / P)"),
+    Param("m_tiles", "i32", doc="head_blocks * ceil(Nq / Q)"),
+    Param("num_splits", "i32"),
+    Param("causal", "i32", doc="rule mode: 1 allows kv <= the query's position"),
+    Param("window", "i32", doc="rule mode: > 0 allows kv > the query's position - window"),
+    Param("bottom_right", "i32", doc="query i sits at position kv_len(b) - Nq + i (else i)"),
+    Param("q_abs", "i32", doc="score modifiers see that position as q_idx (else i)"),
+    Param("scale", "f32"),
+    Param("scale_log2", "f32"),
+    # Block-mask mode (kv_num_blocks non-null): the CTA walks one row of the mask, shared by its
+    # rows (q block 0; one head unless the mask broadcasts over heads).
+    Param("kv_num_blocks", "ptr", "const int*"),
+    Param("kv_indices", "ptr", "const int*"),
+    Param("block_types", "ptr", "const int*"),
+    Param("partial_index", "ptr", "const int*"),
+    Param("partial_masks", "ptr", "const u32*"),
+    Param("mask_row_sb", "i64"),
+    Param("mask_row_sh", "i64"),
+    Param("max_blocks", "i32"),
+    Param("q_block_size", "i32"),
+    Param("kv_block_size", "i32"),
+    Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
+))
 
-__all__ = ["FORWARD", "BACKWARD", "STRUCTS", "MAX_USER_ARRAYS"]
+#: Merge of split-KV partials: one warp per output row (b, h, i), rows = B * Hq * Nq.
+COMBINE = ParamStruct("CombineParams", (
+    Param("part_o", "ptr", "const float*", doc="[splits, rows, D]"),
+    Param("part_ml", "ptr", "const float*", doc="[splits, rows, 2]"),
+    Param("o", "ptr", "u16*", doc="[B, Hq, Nq, D]"),
+    Param("lse", "ptr", "float*", doc="[B, Hq, Nq] or null"),
+    *_strides("o", "o"),
+    Param("rows", "i32"),
+    Param("num_heads", "i32"),
+    Param("q_len", "i32"),
+    Param("num_splits", "i32"),
+))
+
+#: operation -> its struct (Variant.operation keys this).
+STRUCTS = {"forward": FORWARD, "backward": BACKWARD, "decode": DECODE, "combine": COMBINE}
+
+__all__ = ["FORWARD", "BACKWARD", "DECODE", "COMBINE", "STRUCTS", "MAX_USER_ARRAYS"]

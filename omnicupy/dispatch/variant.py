@@ -30,11 +30,22 @@ TEMPLATES = {
     ("forward", "sync"): "attention_fwd.cu.jinja",
     ("forward", "wgmma"): "attention_fwd_sm90.cu.jinja",
     ("backward", "sync"): "attention_bwd.cu.jinja",
+    ("decode", "sync"): "attention_decode.cu.jinja",
+    ("combine", "sync"): "attention_decode_combine.cu.jinja",
 }
 OPERATIONS = tuple(dict.fromkeys(op for op, _ in TEMPLATES))
 FAMILIES = ("sync", "wgmma")
 #: Kernel-name prefix per operation.
-PREFIXES = {"forward": "omni_fwd", "backward": "omni_bwd"}
+PREFIXES = {"forward": "omni_fwd", "backward": "omni_bwd", "decode": "omni_decode", "combine": "omni_combine"}
+#: Split-KV decode (ops/decode.py, kernels/decode_split.cuh): br is the m tile (packed query rows:
+#: 16, 32 or 64), one warp per 16 of them; the warps form warps / (br / 16) kv groups, each walking
+#: its own 32-key tiles through a ``stages``-deep cp.async ring.
+DECODE_BC = 32
+DECODE_BR = (16, 32, 64)
+DECODE_STAGES = (2, 3, 4, 5)
+DECODE_WARP_ROWS = 16
+#: Per kv group and stage, the ring's record of the tile in flight (start, type, pool index, valid bits).
+DECODE_RING_BYTES = 16
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
@@ -81,15 +92,18 @@ class Variant:
             raise VariantError(f"head_dim {self.head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
         if self.dtype not in SUPPORTED_DTYPES:
             raise VariantError(f"dtype {self.dtype!r} is not supported (supported: {SUPPORTED_DTYPES})")
-        if self.stages not in SUPPORTED_STAGES:
+        if self.operation in ("decode", "combine"):
+            self._check_decode()
+        elif self.stages not in SUPPORTED_STAGES:
             raise VariantError(f"stages must be 1 or 2, got {self.stages}")
-        # The warps split the rows of the tile they own: q rows in the forward, kv rows
-        # (bc) in the backward, whose CTA owns a kv tile and walks q tiles of br rows.
-        rows, label = (self.bc, "bc") if self.operation == "backward" else (self.br, "br")
-        if self.warps < 1 or rows % (16 * self.warps):
-            raise VariantError(f"{label}={rows} must be a multiple of 16 * warps ({self.warps})")
-        if self.operation == "backward" and self.br % 16:
-            raise VariantError(f"backward: br={self.br} must be a multiple of 16")
+        else:
+            # The warps split the rows of the tile they own: q rows in the forward, kv rows
+            # (bc) in the backward, whose CTA owns a kv tile and walks q tiles of br rows.
+            rows, label = (self.bc, "bc") if self.operation == "backward" else (self.br, "br")
+            if self.warps < 1 or rows % (16 * self.warps):
+                raise VariantError(f"{label}={rows} must be a multiple of 16 * warps ({self.warps})")
+            if self.operation == "backward" and self.br % 16:
+                raise VariantError(f"backward: br={self.br} must be a multiple of 16")
         if self.bc % 32 or self.bc < 32:
             raise VariantError(f"bc={self.bc} must be a positive multiple of 32")
         if (self.operation, self.family) not in TEMPLATES:
@@ -107,6 +121,29 @@ class Variant:
                                  f"(warps={self.br // 16}), got warps={self.warps}")
             if self.bc not in WGMMA_BC:
                 raise VariantError(f"wgmma: bc must be one of {WGMMA_BC}, got {self.bc}")
+
+    def _check_decode(self) -> None:
+        """decode: br query rows per m tile (16/32/64), 32-row kv tiles per warp, a 2-4 deep ring;
+        combine: one warp per output row, br == warps."""
+        if self.warps < 1 or self.warps > 8:
+            raise VariantError(f"{self.operation}: warps must be 1..8, got {self.warps}")
+        if self.bc != DECODE_BC:
+            raise VariantError(f"{self.operation}: bc must be {DECODE_BC}, got {self.bc}")
+        if self.operation == "combine":
+            if self.br != self.warps or self.stages != 1:
+                raise VariantError(f"combine: br must equal warps and stages be 1, got br={self.br} stages={self.stages}")
+            return
+        if self.br not in DECODE_BR or self.stages not in DECODE_STAGES:
+            raise VariantError(f"decode: br must be one of {DECODE_BR} and stages one of {DECODE_STAGES}, "
+                             f"got br={self.br} stages={self.stages}")
+        if self.warps % (self.br // DECODE_WARP_ROWS) or self.kv_groups > 8:
+            raise VariantError(f"decode: warps ({self.warps}) must be a multiple of br / {DECODE_WARP_ROWS} "
+                             f"({self.br // DECODE_WARP_ROWS}) with at most 8 kv groups")
+
+    @property
+    def kv_groups(self) -> int:
+        """decode: groups of warps that walk kv tiles independently (each owns a ring)."""
+        return self.warps // (self.br // DECODE_WARP_ROWS)
 
     @property
     def name(self) -> str:
@@ -145,6 +182,15 @@ class Variant:
                     + 2 * self.stages * self.br * 4)
         if self.family == "wgmma":
             return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2
+        if self.operation == "combine":
+            return 0
+        if self.operation == "decode":
+            # Q tile, then either every kv group's ring of K and V tiles plus its ring records, or
+            # (after the kv loop, in the same bytes) the fp32 merge of the groups' partial rows.
+            row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
+            ring = self.kv_groups * self.stages * (2 * self.bc * row_bytes + DECODE_RING_BYTES)
+            merge = self.kv_groups * self.br * ((self.head_dim + 4) * 4 + 8)
+            return self.br * row_bytes + max(ring, merge)
         row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
         return (self.br + self.stages * self.bc) * row_bytes
 

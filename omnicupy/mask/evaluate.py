@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .. import arrays
-from ..errors import MaskError
+from ..errors import MaskError, OmnicupyError
 from .mask_mod import as_bool_result, name_of
 
 logger = logging.getLogger("omnicupy.mask")
@@ -56,7 +56,7 @@ def evaluate_grid(mask_mod: Callable, b, h, q, kv, grid: tuple[int, int, int], x
     name = name_of(mask_mod)
     try:
         out = mask_mod(b, h, q, kv)
-    except MaskError:
+    except OmnicupyError:  # omnicupy's own refusals (a short lookup array, ...) say what is wrong
         raise
     except Exception as exc:  # noqa: BLE001 - any failure on arrays is the contract's to report
         raise BroadcastFailure(f"mask_mod {name} failed on broadcast index arrays ({type(exc).__name__}: {exc}). "
@@ -122,7 +122,7 @@ def scalar_values(mask_mod: Callable, b: int, h: int, q: np.ndarray, kv: np.ndar
             if tuple(out.shape) != ():
                 return None
             values.append(bool(arrays.to_numpy(out)))
-    except MaskError:
+    except OmnicupyError:  # omnicupy's own refusals (a short lookup array, ...) say what is wrong
         raise
     except Exception:  # noqa: BLE001 - a broadcast-only mask_mod need not take scalars
         return None
@@ -153,7 +153,7 @@ class ScalarEvaluator:
             try:
                 found[along] = scalar_block(self.mask_mod, b, h, q0, kv0, real_rows, real_cols, self.qbs, self.kbs,
                                             along, self.xp)
-            except MaskError as exc:
+            except OmnicupyError as exc:
                 if not isinstance(exc, BroadcastFailure):
                     raise
                 errors[along] = exc

@@ -17,9 +17,9 @@ from .. import arrays, jit
 from ..dispatch.arch import current_arch
 from ..dispatch.params import FORWARD
 from ..dispatch.plan import Plan, plan_forward
-from ..errors import ArgumentError, CompileError
+from ..errors import ArgumentError, CompileError, OmnicupyError
 from ..mask import BlockMask, expressions
-from . import recall
+from . import decode, recall
 from .inputs import (Bias, Inputs, aligned, check_bias, check_bool, check_device, check_expressions, check_lse_buffer,
                      check_mask_matches, check_out, check_qkv, check_scale, check_score_mod, check_stages, device_out,
                      on_device, require_gpu)
@@ -175,6 +175,8 @@ def attention(
     bias: Any = None,
     score_mod: Any = None,
     fuse_mask: bool = False,
+    kv_lens: Any = None,
+    num_splits: Optional[int] = None,
 ):
     """Exact softmax attention under a block-sparse mask.
 
@@ -192,13 +194,19 @@ def attention(
     loading the stored bits; the output is bit-identical. Stored bits are the default because they
     measured faster (NOTES.md, "Fused mask expressions").
 
+    Few query rows per kv head (decode, speculative verification: GQA group x Nq <= 64) run the
+    split-KV decode kernel (ops/decode.py), which splits each sequence's keys across CTAs and merges
+    the partial results. ``kv_lens`` (int32 ``[B]``) gives each sequence of a contiguous cache its
+    own length (causal is then bottom-right per sequence); ``num_splits`` overrides the split count.
+    Either one asks for the decode kernel (ArgumentError when it cannot serve the call).
+
     NumPy inputs give NumPy outputs; anything else (CuPy, DLPack, CUDA array interface) gives CuPy
     arrays on the current device, computed on the current stream. Returns ``out`` or, with
     ``return_lse``, ``(out, lse)`` where lse is float32 ``[B, Hq, Nq]`` (natural log, -inf for rows
     with no allowed key, whose output is 0).
     """
     key = None
-    if arrays.gpu_available():
+    if kv_lens is None and num_splits is None and arrays.gpu_available():
         cp = arrays.cupy_module()
         views = [recall.view(x, cp) for x in (q, k, v)]
         out_view = None if out is None else recall.view(out, cp)
@@ -211,7 +219,10 @@ def attention(
                                    (out is None, id(bias), id(score_mod), *scalars, *map(type, scalars)))
             mask = block_mask if isinstance(block_mask, BlockMask) else None
             if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
-                mask = _builtin_mask(CAUSAL_MODES[causal], views[0][1][2], views[1][1][2])
+                try:
+                    mask = _builtin_mask(CAUSAL_MODES[causal], views[0][1][2], views[1][1][2])
+                except OmnicupyError:  # sizes no mask can have: the general path names the problem
+                    mask = None
             if mask is not None:
                 result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view),
                                                 return_lse, cp)
@@ -229,9 +240,16 @@ def attention(
     o, copy_into = device_out(out, inp)
     cp = arrays.cupy_module()
     lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
-    recipe = _launch(inp, o, lse, bm, scale, make_plan(inp, bm, stages, extras, current_arch()), extras)
-    if copy_into is None and not host_result:
-        recall.remember(bm, key, recipe, bias, score_mod)
+    split_kv = decode.decode_plan(inp, block_mask if isinstance(block_mask, BlockMask) else None, kv_lens, num_splits,
+                                  causal=causal, score_expr=extras.score_expr, bias=extras.bias, arch=current_arch())
+    if split_kv is not None:
+        decode.run_decode(split_kv, inp, o, lse, scale, kv_lens=decode.check_lengths(kv_lens, inp.batch, inp.kv_len),
+                          block_mask=block_mask if isinstance(block_mask, BlockMask) else None,
+                          score_expr=extras.score_expr)
+    else:
+        recipe = _launch(inp, o, lse, bm, scale, make_plan(inp, bm, stages, extras, current_arch()), extras)
+        if copy_into is None and not host_result:
+            recall.remember(bm, key, recipe, bias, score_mod)
     if copy_into is not None:
         if arrays.is_numpy(copy_into):
             copy_into[...] = o.get()

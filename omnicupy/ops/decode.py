@@ -1,0 +1,566 @@
+"""Split-KV decode: attention for a few query rows per kv head against a long KV cache.
+
+When the query side is small (decode, speculative verification, short chunks), a kernel that tiles
+queries (the forward) launches too few CTAs to read the cache at the memory-bandwidth limit. The
+decode kernel (templates/attention_decode.cu.jinja, kernels/decode_split.cuh) instead packs the
+query heads of one GQA group and their positions into the rows of one m tile, so that one read of
+K/V serves the whole group, and splits each sequence's keys across ``num_splits`` CTAs. Each split
+leaves unnormalized fp32 partial rows with their (max, sum); a combine kernel
+(kernels/decode_combine.cuh) merges them exactly. One split writes the output directly.
+
+This module plans and launches both kernels for contiguous caches (``attention(kv_lens=...,
+num_splits=...)``: ``decode_plan`` + ``run_decode``) and, through ``plan_split_kv`` and ``launch``,
+for paged caches (ops/paged.py). It knows the decode kernel's needs and the split heuristic; the
+forward kernel and paged-table layouts are not its business.
+
+What a row sees, per sequence b with ``L = kv_lens[b]`` keys (or the cache's length):
+  rule mode   keys j < L, and with ``causal`` j <= pos, with ``window`` W j > pos - W, where query i
+              sits at ``pos = i + L - Nq`` (``bottom_right``) or ``pos = i``;
+  mask mode   a BlockMask's pairs (q block 0, one mask row for all of a tile's rows), and j < L.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import arrays, jit
+from ..checks import check_int
+from ..dispatch.arch import current_arch, smem_limit
+from ..dispatch.params import COMBINE, DECODE
+from ..dispatch.plan import Plan
+from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant
+from ..errors import ArgumentError, KVCacheError
+from ..mask import BlockMask, cdiv, expressions
+from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
+                     device_out, on_device, require_gpu)
+
+#: Packed query rows (GQA group x positions) per kv head up to which attention() takes the decode
+#: kernel on its own; above, the forward kernel's q tiles are full enough.
+DECODE_MAX_ROWS = 64
+MAX_SPLITS = 128
+#: Streaming multiprocessors assumed when planning without a device (an H100/H200 has 132).
+DEFAULT_SMS = 132
+#: Each kv group of a split walks at least this many 32-key tiles (or the split count shrinks).
+MIN_TILES_PER_GROUP = 2
+#: The smallest split count whose wave efficiency is within this factor of the best is chosen.
+WAVE_TOLERANCE = 0.95
+#: Combine: output rows (one warp each) per CTA.
+COMBINE_WARPS = 4
+#: Bits of the device error word (kernels/decode_split.cuh).
+ERROR_KV_LEN, ERROR_PAGE = 1, 2
+
+#: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
+#: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
+#: 227 KB; plan_split_kv trims stages, then kv groups, where the arch has less.
+DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {
+    (32, 16): (4, 4), (32, 32): (4, 4), (32, 64): (8, 4),
+    (64, 16): (4, 4), (64, 32): (4, 4), (64, 64): (8, 3),
+    (96, 16): (4, 3), (96, 32): (4, 3), (96, 64): (8, 3),
+    (128, 16): (4, 3), (128, 32): (4, 3), (128, 64): (8, 3),
+    (256, 16): (2, 3), (256, 32): (4, 3), (256, 64): (4, 3),
+}
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class Rows:
+    """How the query rows of one kv head are packed into m tiles: row r of a tile is query head
+    ``head_block * heads_per_tile + r // q_per_tile`` of the group at position
+    ``q_block * q_per_tile + r % q_per_tile``."""
+
+    br: int
+    heads_per_tile: int
+    q_per_tile: int
+    head_blocks: int
+    m_tiles: int
+
+
+def pack_rows(group: int, q_len: int, shared_mask: bool = True) -> Rows:
+    """The m tiles of one kv head: its ``group`` query heads (one at a time when the mask differs
+    per head) times ``q_len`` positions, at most 64 rows a tile."""
+    heads = group if shared_mask else 1
+    rows = heads * q_len
+    if rows <= 64:
+        br = next(b for b in (16, 32, 64) if rows <= b)
+        per_tile_heads, per_tile_q = heads, q_len
+    elif heads <= 64:
+        br, per_tile_heads, per_tile_q = 64, heads, 64 // heads
+    else:
+        br, per_tile_heads, per_tile_q = 64, 64, 1
+    head_blocks = cdiv(group, per_tile_heads)
+    return Rows(br, per_tile_heads, per_tile_q, head_blocks, head_blocks * cdiv(q_len, per_tile_q))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Rule mode: which keys a row sees (module docstring); ``q_abs``: score modifiers see the
+    query's position ``pos`` as q_idx (paged caches) instead of its row index i (attention())."""
+
+    causal: bool = False
+    window: int = 0
+    bottom_right: bool = False
+    q_abs: bool = False
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The split kernel's launch, the combine's (None with one split), and how rows and keys are cut."""
+
+    split: Plan
+    combine: Optional[Plan]
+    rows: Rows
+    num_splits: int
+    rule: Optional[Rule]  # None in mask mode
+    reason: str
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return (self.split.kernel,) + ((self.combine.kernel,) if self.combine else ())
+
+    def describe(self) -> str:
+        r = self.rows
+        mode = "block mask" if self.rule is None else (
+            f"rule (causal={self.rule.causal}, window={self.rule.window or None}, bottom_right={self.rule.bottom_right})")
+        text = (f"decode: {self.split.kernel} x {self.num_splits} splits"
+                + (f" + {self.combine.kernel}" if self.combine else "") + "\n"
+                f"  m tile {r.br} rows = {r.heads_per_tile} query heads x {r.q_per_tile} positions, "
+                f"{r.m_tiles} m tiles per kv head; {mode}\n"
+                f"  grid {self.split.grid}, block {self.split.block}, {self.split.smem_bytes} bytes of shared memory\n"
+                f"  why: {self.reason}")
+        return text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+@functools.lru_cache(maxsize=None)
+def device_sms(device_id: int) -> int:
+    cp = arrays.cupy_module()
+    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _sms(num_sms: Optional[int]) -> int:
+    if num_sms is not None:
+        return check_int(num_sms, "num_sms", minimum=1)
+    if arrays.gpu_available():
+        return device_sms(arrays.cupy_module().cuda.runtime.getDevice())
+    return DEFAULT_SMS
+
+
+#: Sequences of different lengths, when their CTAs already fill the machine: split until there are
+#: this many waves of CTAs (so that the long sequences' CTAs do not run alone at the end), keeping
+#: at least RAGGED_MIN_KEYS keys per split (each CTA has a fixed cost: Q, ring fill, merge).
+RAGGED_WAVES = 4
+RAGGED_MIN_KEYS = 8192
+
+
+def choose_splits(units: int, tiles: int, kv_groups: int, ctas_per_sm: int, num_sms: int, ragged: bool = False) -> int:
+    """How many CTAs share one (m tile, kv head, batch)'s keys.
+
+    ``units`` CTAs exist without splitting, each walking up to ``tiles`` 32-key tiles. Splits fill
+    the machine: among the split counts that leave every kv group at least MIN_TILES_PER_GROUP
+    tiles, the smallest whose wave efficiency (CTAs over the slots of the waves they take) is
+    within WAVE_TOLERANCE of the best. Fewer splits mean less partial traffic and a cheaper
+    combine. With ``ragged`` lengths (or lengths known only on the device) the work per CTA
+    differs: when the CTAs fill at least one wave anyway, the split count also reaches
+    RAGGED_WAVES waves, for balance (measured on the H200, B 32, lengths 1k-128k: 3.22 -> 3.83
+    TB/s; splitting below one wave or below RAGGED_MIN_KEYS keys per split cost up to 40 %)."""
+    slots = num_sms * max(1, ctas_per_sm)
+    most = max(1, min(MAX_SPLITS, tiles // (MIN_TILES_PER_GROUP * kv_groups)))
+
+    def efficiency(s: int) -> float:
+        ctas = units * s
+        return ctas / (cdiv(ctas, slots) * slots)
+
+    best = max(efficiency(s) for s in range(1, most + 1))
+    splits = next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_TOLERANCE * best)
+    if ragged and units * splits >= slots:
+        balance = min(most, tiles // (RAGGED_MIN_KEYS // DECODE_BC), cdiv(RAGGED_WAVES * slots, units))
+        splits = max(splits, balance)
+    return splits
+
+
+def _ctas_per_sm(variant: Variant, arch: Optional[str]) -> int:
+    per_sm = smem_limit(arch or "sm_90") + 1024  # the opt-in limit per block, plus the reserved 1 KB
+    by_smem = per_sm // (variant.smem_bytes + 1024)
+    return max(1, min(by_smem, 2048 // variant.threads))
+
+
+def decode_variant(head_dim: int, dtype: str, br: int, *, causal: bool, partial: bool,
+                   score_expr: Optional[tuple], arch: Optional[str]) -> Variant:
+    """The split kernel for this tile, with its ring trimmed to the arch's shared memory."""
+    warps, stages = DECODE_TILES[(head_dim, br)]
+    row_warps = br // DECODE_WARP_ROWS
+    limit = smem_limit(arch or "sm_90")
+    while True:
+        v = Variant(head_dim, dtype, br, DECODE_BC, warps, stages, causal, partial, score_expr=score_expr,
+                    operation="decode")
+        if v.smem_bytes <= limit:
+            return v
+        if stages > 2:
+            stages -= 1
+        elif warps > row_warps:
+            warps -= row_warps
+        else:
+            raise ArgumentError(f"no decode tile for head_dim {head_dim} fits {limit} bytes of shared memory")
+
+
+def combine_variant(head_dim: int, dtype: str) -> Variant:
+    return Variant(head_dim, dtype, COMBINE_WARPS, DECODE_BC, COMBINE_WARPS, 1, operation="combine")
+
+
+def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads: int, q_len: int,
+                  longest: int, rows: Rows, rule: Optional[Rule], mask_features: tuple[bool, bool] = (False, False),
+                  score_expr: Optional[tuple] = None, num_splits: Optional[int] = None, ragged: bool = False,
+                  arch: Optional[str] = None, num_sms: Optional[int] = None, why: str = "") -> DecodePlan:
+    """Plan both kernels. ``longest``: the most keys one tile's walk can cover (bounds the splits);
+    ``ragged``: sequence lengths differ or are not known on the host (choose_splits); ``rule`` None
+    means mask mode with ``mask_features`` (causal, partial). Plans are cached: a decode loop plans
+    once per power of two of its longest sequence."""
+    longest = 1 << max(longest - 1, 0).bit_length()
+    return _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features,
+                          score_expr, num_splits, ragged, arch, _sms(num_sms), why)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features, score_expr,
+                   num_splits, ragged, arch, sms, why) -> DecodePlan:
+    if rule is not None:
+        causal, partial = rule.causal or rule.window > 0, False
+    else:
+        causal, partial = mask_features
+    split_v = decode_variant(head_dim, dtype, rows.br, causal=causal, partial=partial, score_expr=score_expr,
+                             arch=arch)
+    units = batch * kv_heads * rows.m_tiles
+    if num_splits is None:
+        splits = choose_splits(units, cdiv(max(longest, 1), DECODE_BC), split_v.kv_groups,
+                               _ctas_per_sm(split_v, arch), sms, ragged)
+        how = (f"{splits} splits from the heuristic ({units} CTAs unsplit, {sms} SMs, up to {longest} keys"
+               + (", ragged lengths" if ragged else "") + ")")
+    else:
+        splits = num_splits
+        how = f"{splits} splits as asked"
+    grid = units * splits
+    if grid >= 2**31:
+        raise ArgumentError(f"decode: {grid} CTAs exceed the grid limit; use fewer splits")
+    split_plan = Plan(variant=split_v, grid=(grid, 1, 1), block=(split_v.threads, 1, 1),
+                      smem_bytes=split_v.smem_bytes, q_tile_order=None, arch=arch,
+                      reason=f"split-KV decode: {why}; {how}")
+    combine_plan = None
+    if splits > 1:
+        cv = combine_variant(head_dim, dtype)
+        out_rows = batch * heads * q_len
+        combine_plan = Plan(variant=cv, grid=(cdiv(out_rows, COMBINE_WARPS), 1, 1), block=(cv.threads, 1, 1),
+                            smem_bytes=0, q_tile_order=None, arch=arch,
+                            reason=f"merge {splits} partial rows per output row")
+    return DecodePlan(split_plan, combine_plan, rows, splits, rule, split_plan.reason)
+
+
+def shipped_variants(arch: Optional[str] = None, head_dims=SUPPORTED_HEAD_DIMS, dtypes=("fp16", "bf16")) -> list[Variant]:
+    """Every decode tile with every mask-feature combination, and the combines: what a precompile
+    builds (score-modifier variants are built on first use)."""
+    out = []
+    for hd in head_dims:
+        for dt in dtypes:
+            for br in (16, 32, 64):
+                for causal in (False, True):
+                    for partial in (False, True):
+                        out.append(decode_variant(hd, dt, br, causal=causal, partial=partial, score_expr=None,
+                                                  arch=arch))
+            out.append(combine_variant(hd, dt))
+    return out
+
+
+# ------------------------------------------------------------------------------------ arguments
+def check_num_splits(num_splits: Any) -> Optional[int]:
+    if num_splits is None:
+        return None
+    splits = check_int(num_splits, "num_splits", minimum=1)
+    if splits > MAX_SPLITS:
+        raise ArgumentError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
+    return splits
+
+
+def check_lengths(kv_lens: Any, batch: int, capacity: int, name: str = "kv_lens"):
+    """kv_lens as an int32 [B] array (NumPy or CuPy). Host values are checked here against
+    [0, capacity]; device values are clamped by the kernel (and flagged), or checked by
+    ``validate_on_device``."""
+    if kv_lens is None:
+        return None
+    x = arrays.as_array(kv_lens, name)
+    if x.ndim != 1 or x.shape[0] != batch:
+        raise ArgumentError(f"{name} must be a 1-D integer array of length B={batch}, got shape {tuple(x.shape)}")
+    if np.dtype(x.dtype).kind not in "iu":
+        raise ArgumentError(f"{name} must be an integer array (int32), got dtype {x.dtype}")
+    if arrays.is_numpy(x):
+        if x.size and (int(x.min()) < 0 or int(x.max()) > capacity):
+            raise KVCacheError(f"{name} must lie in [0, {capacity}] (the cache's capacity), got values in "
+                               f"[{int(x.min())}, {int(x.max())}]")
+        return x.astype(np.int32, copy=False)
+    if x.dtype != np.int32:
+        raise ArgumentError(f"{name} on the device must be int32 (no hidden copies), got {x.dtype}")
+    return x
+
+
+def is_ragged(kv_lens: Any) -> bool:
+    """Whether lengths may differ: device lengths (unknown here) or host lengths that do."""
+    if kv_lens is None:
+        return False
+    if not arrays.is_numpy(kv_lens):
+        return True
+    return kv_lens.size > 1 and int(kv_lens.min()) != int(kv_lens.max())
+
+
+def _longest(kv_lens: Any, capacity: int) -> int:
+    """The longest sequence, known on the host only for host lengths; else the capacity."""
+    if kv_lens is not None and arrays.is_numpy(kv_lens):
+        return int(kv_lens.max()) if kv_lens.size else 0
+    return capacity
+
+
+def rule_span(rule: Rule, q_len: int, longest: int) -> int:
+    """The most keys one m tile's walk covers under ``rule``."""
+    if rule.window > 0:
+        return min(longest, rule.window + q_len)
+    return longest
+
+
+# ---------------------------------------------------------------------------- attention() hook
+_CAUSAL = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
+
+
+def decode_plan(inp: Inputs, block_mask: Optional[BlockMask], kv_lens: Any = None, num_splits: Any = None, *,
+                causal: Any = False, score_expr: Optional[expressions.CudaExpr] = None, bias: Any = None,
+                arch: Optional[str] = None, num_sms: Optional[int] = None, force: bool = False) -> Optional[DecodePlan]:
+    """What ``attention()`` should launch for this call, or None when the forward kernel should run.
+
+    ``block_mask`` is the caller's BlockMask (None when ``causal`` was used instead); ``causal`` the
+    caller's value (False, True/'top_left', 'bottom_right'). With ``kv_lens`` (int32 [B]) each
+    sequence b has ``kv_lens[b]`` keys and ``causal=True`` means bottom-right per sequence (the last
+    query sees the last key); 'top_left' is refused there. Without ``kv_lens`` and ``num_splits``,
+    the decode kernel runs only when the packed query rows of a kv head (group x Nq) are at most
+    DECODE_MAX_ROWS and the mask allows it. ``kv_lens`` or ``num_splits`` given (or ``force``) ask
+    for it: a call it cannot serve raises ArgumentError. Needs no GPU for NumPy arrays when ``arch``
+    is given."""
+    try:
+        mode = _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ArgumentError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}") from None
+    splits = check_num_splits(num_splits)
+    forced = force or kv_lens is not None or splits is not None
+    lens = check_lengths(kv_lens, inp.batch, inp.kv_len)
+    group = inp.heads // inp.kv_heads
+
+    def refuse(why: str) -> None:
+        if forced:
+            raise ArgumentError(f"kv_lens/num_splits: the decode kernel cannot run this call: {why}")
+        return None
+
+    if bias is not None:
+        return refuse("bias= is not supported by the decode kernel")
+    if kv_lens is not None and isinstance(causal, str) and causal == "top_left":
+        raise ArgumentError("with kv_lens, causal is bottom-right per sequence: pass causal=True or 'bottom_right'")
+    if block_mask is not None and mode is not None:
+        raise ArgumentError("pass either block_mask or causal, not both (build a causal BlockMask instead)")
+    shared = True
+    if block_mask is not None:
+        if block_mask.num_q_blocks != 1:
+            return refuse(f"a block mask needs q_len <= its q_block_size ({block_mask.q_block_size}) here")
+        shared = group == 1 or block_mask.shape[1] == 1
+        if block_mask.kv_block_size % DECODE_BC:
+            return refuse(f"kv_block_size must be a multiple of {DECODE_BC}")
+    rows = pack_rows(group, inp.q_len, shared)
+    if not forced and (group if shared else 1) * inp.q_len > DECODE_MAX_ROWS:
+        return None
+    if arch is None:
+        require_gpu()
+        arch = current_arch()
+    longest = _longest(lens, inp.kv_len)
+    skey = score_expr.key if score_expr is not None else None
+    if block_mask is not None:
+        features = (block_mask.features.causal, block_mask.features.partial)
+        return plan_split_kv(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads,
+                             kv_heads=inp.kv_heads, q_len=inp.q_len, longest=longest, rows=rows, rule=None,
+                             mask_features=features, score_expr=skey, num_splits=splits, ragged=is_ragged(lens),
+                             arch=arch, num_sms=num_sms, why=f"{rows.br}-row m tiles over a block mask")
+    rule = Rule(causal=mode is not None, bottom_right=mode == "bottom_right" or (kv_lens is not None and mode is not None))
+    return plan_split_kv(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads,
+                         kv_heads=inp.kv_heads, q_len=inp.q_len, longest=rule_span(rule, inp.q_len, longest),
+                         rows=rows, rule=rule, score_expr=skey, num_splits=splits, ragged=is_ragged(lens), arch=arch,
+                         num_sms=num_sms,
+                         why=f"{group * inp.q_len} query rows per kv head (GQA group {group} x Nq {inp.q_len})")
+
+
+def decode_attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, kv_lens: Any = None,
+                     num_splits: Any = None, causal: Any = False, scale: Optional[float] = None,
+                     return_lse: bool = False, out: Any = None, score_mod: Any = None):
+    """``attention()`` through the split-KV decode kernel, always (the path attention() takes for
+    kv_lens / num_splits / few query rows; see decode_plan for the arguments). q ``[B, Hq, Nq, D]``,
+    k/v ``[B, Hkv, Nkv, D]``; returns out or (out, lse) like attention()."""
+    host_result = arrays.is_numpy(q)
+    inp = check_qkv(q, k, v)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(block_mask).__name__}")
+        check_mask_matches(block_mask, inp)
+    score_expr = check_score_mod(score_mod)
+    scale = check_scale(scale, inp.head_dim)
+    out = check_out(out, inp)
+    lens = check_lengths(kv_lens, inp.batch, inp.kv_len)
+    plan = decode_plan(inp, block_mask, lens, num_splits, causal=causal, score_expr=score_expr, force=True)
+    inp = on_device(inp)
+    o, copy_into = device_out(out, inp)
+    cp = arrays.cupy_module()
+    lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
+    run_decode(plan, inp, o, lse, scale, kv_lens=lens, block_mask=block_mask, score_expr=score_expr)
+    if copy_into is not None:
+        copy_into[...] = o.get() if arrays.is_numpy(copy_into) else o
+        o = copy_into
+    if host_result:
+        o = o if arrays.is_numpy(o) else o.get()
+        lse = None if lse is None else lse.get()
+    return (o, lse) if return_lse else o
+
+
+def run_decode(plan: DecodePlan, inp: Inputs, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
+               block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> None:
+    """Launch ``plan`` on device inputs (``ops.inputs.on_device``) into the device output ``o``
+    ([B, Hq, Nq, D], 16-byte aligned rows) and ``lse`` (contiguous float32 [B, Hq, Nq] or None)."""
+    cache = KVSource.contiguous(inp.k, inp.v)
+    launch(plan, inp.q, cache, o, lse, scale, kv_lens=device_lengths(kv_lens), block_mask=block_mask,
+           score_expr=score_expr)
+
+
+# ------------------------------------------------------------------------------------------ launch
+@dataclass(frozen=True)
+class KVSource:
+    """Where key j of (batch b, kv head hk) lives: element ``page * s_page + hk * s_head + slot * s_slot``
+    of k (and v), with (page, slot) = (b, j) for a contiguous cache and
+    (page_table[b, j // page_size], j % page_size) for a paged one."""
+
+    k: Any
+    v: Any
+    k_strides: tuple[int, int, int]  # (page or batch, head, slot), elements
+    v_strides: tuple[int, int, int]
+    kv_heads: int
+    capacity: int  # keys a sequence can hold: Nkv, or max_pages * page_size
+    page_table: Any = None
+    page_size: int = 0
+    num_pages: int = 0
+
+    @classmethod
+    def contiguous(cls, k: Any, v: Any) -> "KVSource":
+        def st(x):
+            return tuple(s // x.itemsize for s in x.strides[:3])
+
+        return cls(k, v, st(k), st(v), int(k.shape[1]), int(k.shape[2]))
+
+
+def device_lengths(kv_lens: Any):
+    if kv_lens is None:
+        return None
+    d = arrays.to_cupy(kv_lens, "kv_lens")
+    check_device(d, "kv_lens")
+    return arrays.cupy_module().ascontiguousarray(d, dtype=np.int32)
+
+
+_error_words: dict[int, Any] = {}
+
+
+def error_word():
+    """This device's error word of the decode kernels (bits ERROR_KV_LEN, ERROR_PAGE)."""
+    cp = arrays.cupy_module()
+    dev = cp.cuda.runtime.getDevice()
+    if dev not in _error_words:
+        _error_words[dev] = cp.zeros(1, dtype=np.int32)
+    return _error_words[dev]
+
+
+def take_device_errors(raise_error: bool = True) -> int:
+    """Read and clear the current device's decode error word (this synchronizes the stream): bits 1
+    (a kv_lens entry outside the cache, clamped) and 2 (a page id outside the pool, its keys
+    masked), set by kernels whose metadata was not checked before launch. Raises KVCacheError when
+    a bit is set and ``raise_error``; returns the bits."""
+    word = error_word()
+    bits = int(word.get()[0])
+    word.fill(0)
+    if bits and raise_error:
+        what = [text for bit, text in ((ERROR_KV_LEN, "kv_lens entries outside the cache (clamped)"),
+                                       (ERROR_PAGE, "page ids outside the page pool (their keys were skipped)"))
+                if bits & bit]
+        raise KVCacheError("a decode kernel met bad cache metadata on the device: " + "; ".join(what))
+    return bits
+
+
+def _mask_fields(bm: Optional[BlockMask]) -> dict[str, Any]:
+    if bm is None:
+        return {"kv_num_blocks": None, "kv_indices": None, "block_types": None, "partial_index": None,
+                "partial_masks": None, "mask_row_sb": 0, "mask_row_sh": 0, "max_blocks": 0, "q_block_size": 0,
+                "kv_block_size": 0}
+    meta = bm.device_metadata()
+    return {"kv_num_blocks": meta.kv_num_blocks, "kv_indices": meta.kv_indices,
+            "block_types": meta.block_mask_types, "partial_index": meta.partial_block_mask_indices,
+            "partial_masks": meta.partial_block_masks, "mask_row_sb": meta.row_stride_batch,
+            "mask_row_sh": meta.row_stride_head, "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size,
+            "kv_block_size": bm.kv_block_size}
+
+
+def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
+           block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> None:
+    """Fill DecodeParams by name and launch the split kernel (and the combine) on the current stream."""
+    cp = arrays.cupy_module()
+    B, Hq, Nq, D = (int(n) for n in q.shape)
+    item = q.itemsize
+    qs = [s // item for s in q.strides[:3]]
+    os_ = [s // o.itemsize for s in o.strides[:3]]
+    kv_heads = cache.kv_heads
+    splits = plan.num_splits
+    part_o = part_ml = None
+    if splits > 1:
+        part_o = cp.empty((splits, B * Hq * Nq, D), dtype=np.float32)
+        part_ml = cp.empty((splits, B * Hq * Nq, 2), dtype=np.float32)
+    rule = plan.rule or Rule()
+    transforms = score_expr is not None
+    r = plan.rows
+    fields = {
+        "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 else None,
+        "part_o": part_o, "part_ml": part_ml,
+        "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
+        "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
+        "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
+        "o_sb": os_[0], "o_sh": os_[1], "o_sn": os_[2],
+        "kv_lens": kv_lens,
+        "page_table": cache.page_table,
+        "page_table_sb": 0 if cache.page_table is None else cache.page_table.strides[0] // 4,
+        "max_pages": 0 if cache.page_table is None else int(cache.page_table.shape[1]),
+        "page_size": cache.page_size, "num_pages": cache.num_pages,
+        "errors": error_word(),
+        "batch": B, "num_heads": Hq, "kv_heads": kv_heads, "q_len": Nq, "kv_len": cache.capacity,
+        "kv_group": Hq // kv_heads,
+        "heads_per_tile": r.heads_per_tile, "q_per_tile": r.q_per_tile, "head_blocks": r.head_blocks,
+        "m_tiles": r.m_tiles, "num_splits": splits,
+        "causal": int(rule.causal), "window": int(rule.window), "bottom_right": int(rule.bottom_right),
+        "q_abs": int(rule.q_abs),
+        "scale": scale,
+        # Scores reach the softmax raw, the scale folded into exp2, unless a score modifier needs
+        # them scaled first (then the softmax works in natural units).
+        "scale_log2": math.log2(math.e) * (1.0 if transforms else scale),
+        **_mask_fields(block_mask if plan.rule is None else None),
+        "user_arrays": list(score_expr.device_arrays()) if score_expr is not None else [],
+    }
+    kernel = jit.get_kernel(plan.split.variant)
+    kernel(plan.split.grid, plan.split.block, (DECODE.pack(fields),), shared_mem=plan.split.smem_bytes)
+    if plan.combine is not None:
+        cfields = {"part_o": part_o, "part_ml": part_ml, "o": o, "lse": lse,
+                   "o_sb": os_[0], "o_sh": os_[1], "o_sn": os_[2], "rows": B * Hq * Nq, "num_heads": Hq,
+                   "q_len": Nq, "num_splits": splits}
+        combine = jit.get_kernel(plan.combine.variant)
+        combine(plan.combine.grid, plan.combine.block, (COMBINE.pack(cfields),), shared_mem=0)
+
+
+__all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention", "plan_split_kv", "launch",
+           "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS", "MAX_SPLITS", "DECODE_TILES"]

@@ -1,0 +1,270 @@
+"""Split-KV decode, paged caches and ragged batches on the GPU, every path against the float64
+reference: contiguous caches with per-sequence lengths (0 and 1 included), block masks in decode
+(shared and per head, shuffled, wide blocks), paged caches (page sizes 16 to 256 and an odd one,
+NHD and HND, windows, softcap and ALiBi, long query chunks), bad page tables (raised before launch,
+or clamped and flagged on the device), and varlen batches. Outputs are NaN-poisoned before each
+call; every case prints its seed on failure.
+
+    PYTHONPATH=. python -m pytest -q -m gpu tests/test_decode_gpu.py
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import omnicupy
+from omnicupy import BlockMask, KVCacheError, reference, score_mods
+from omnicupy.ops import decode
+
+from decode_cases import compare, paged_from_contiguous, seed_of
+from helpers import random_block_mask, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+
+def poisoned(shape, dtype):
+    import cupy as cp
+
+    return cp.full(shape, np.nan, dtype=dtype)
+
+
+def device(*xs):
+    import cupy as cp
+
+    return tuple(cp.asarray(x) for x in xs)
+
+
+# ------------------------------------------------------------------------------ contiguous caches
+# (B, Hq, Hkv, Nq, Nkv, D, dtype, kv_lens, causal, num_splits, score_mod)
+CONTIGUOUS = [
+    pytest.param(4, 8, 2, 1, 777, 128, "fp16", [0, 1, 500, 777], True, None, None, id="gqa4-d128-nq1-ragged"),
+    pytest.param(3, 8, 2, 1, 1000, 128, "bf16", [1000, 3, 999], True, 5, None, id="gqa4-d128-bf16-splits5"),
+    pytest.param(2, 4, 4, 1, 1000, 64, "fp16", None, False, 7, None, id="mha-d64-full-splits7"),
+    pytest.param(2, 4, 2, 5, 300, 64, "fp16", None, "bottom_right", None, None, id="bottom-right-no-lens"),
+    pytest.param(2, 4, 2, 5, 300, 64, "bf16", None, True, 3, None, id="top-left-no-lens"),
+    pytest.param(3, 16, 2, 4, 2049, 128, "fp16", [3, 100, 2049], True, None, None, id="gqa8-nq4-rows32"),
+    pytest.param(2, 8, 2, 16, 1500, 128, "bf16", [1000, 1500], True, 3, None, id="gqa4-nq16-rows64"),
+    pytest.param(2, 4, 1, 33, 600, 64, "fp16", [600, 40], True, None, None, id="mqa-nq33-three-m-tiles"),
+    pytest.param(2, 4, 2, 2, 300, 32, "fp16", [300, 17], True, 2, None, id="d32"),
+    pytest.param(2, 6, 3, 3, 400, 96, "bf16", [129, 400], False, None, None, id="d96-group2"),
+    pytest.param(2, 4, 2, 1, 700, 256, "fp16", [700, 1], True, 4, None, id="d256-nq1"),
+    pytest.param(1, 8, 2, 8, 300, 256, "bf16", [300], True, None, None, id="d256-rows32"),
+    pytest.param(2, 8, 2, 2, 500, 128, "fp16", [500, 77], True, 3, score_mods.softcap(20.0), id="softcap"),
+    pytest.param(2, 8, 2, 2, 500, 64, "bf16", [300, 500], True, None, score_mods.alibi(8), id="alibi"),
+    pytest.param(2, 4, 2, 1, 64, 64, "fp16", [0, 0], True, 3, None, id="all-empty"),
+    pytest.param(1, 4, 4, 8, 64, 64, "fp16", [5], True, None, None, id="fewer-keys-than-queries"),
+    pytest.param(2, 8, 1, 1, 4096, 128, "fp16", [4096, 4000], False, 64, None, id="many-splits-gqa8"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,lens,causal,splits,score_mod", CONTIGUOUS)
+def test_contiguous_decode(request, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits, score_mod):
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, B, Hq, Nq, D, dtype, Hkv=Hkv, Nkv=Nkv)
+    kv_lens = None if lens is None else np.array(lens, np.int32)
+    out = poisoned(q.shape, q.dtype)
+    qd, kd, vd = device(q, k, v)
+    got, lse = decode.decode_attention(qd, kd, vd, kv_lens=None if kv_lens is None else device(kv_lens)[0],
+                                       num_splits=splits, causal=causal, score_mod=score_mod, return_lse=True, out=out)
+    assert got is out
+    ref_causal = causal
+    if causal is True:
+        ref_causal = "bottom_right" if lens is not None else "top_left"
+    want, want_lse = reference.decode_attention(q, k, v, kv_lens, causal=ref_causal, score_mod=score_mod,
+                                                return_lse=True)
+    compare(got, lse, want, want_lse, dtype, label, seed)
+    # host kv_lens and NumPy in/out take the same path
+    if kv_lens is not None:
+        again = decode.decode_attention(q, k, v, kv_lens=kv_lens, num_splits=splits, causal=causal, score_mod=score_mod)
+        assert isinstance(again, np.ndarray)
+        compare(again, None, want, want_lse, dtype, label + "/host", seed)
+
+
+def test_decode_matches_the_forward_kernel():
+    """The same call through both kernels (no kv_lens): both within tolerance of the reference."""
+    seed = seed_of("decode-vs-forward")
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, 8, 3, 128, "fp16", Hkv=2, Nkv=1000)
+    qd, kd, vd = device(q, k, v)
+    for causal in (False, True, "bottom_right"):
+        a = decode.decode_attention(qd, kd, vd, causal=causal, num_splits=4)
+        b = omnicupy.attention(qd, kd, vd, causal=causal)
+        ref_causal = "top_left" if causal is True else causal
+        want = reference.decode_attention(q, k, v, causal=ref_causal)
+        for name, got in (("decode", a), ("forward", b)):
+            err = reference.relative_error(got.get().astype(np.float64), want)
+            assert err <= 3e-3, f"{name} causal={causal} (seed {seed}): {err:.2e}"
+
+
+# ---------------------------------------------------------------------------- block masks in decode
+# (B, Hq, Hkv, Nq, Nkv, D, dtype, Bm, Hm, q_block, kv_block, probs, shuffle, kv_lens, num_splits)
+MASKED = [
+    pytest.param(2, 8, 2, 3, 1000, 128, "fp16", 1, 1, 128, 128, (0.2, 0.3, 0.2, 0.3), False, None, None,
+                 id="shared-mask"),
+    pytest.param(2, 8, 2, 3, 700, 64, "bf16", 2, 8, 128, 64, (0.2, 0.2, 0.3, 0.3), False, [700, 300], 3,
+                 id="per-head-mask-lens"),
+    pytest.param(1, 4, 4, 16, 1200, 128, "fp16", 1, 4, 16, 256, (0.3, 0.2, 0.2, 0.3), True, None, 3,
+                 id="shuffled-kv-block256"),
+    pytest.param(3, 4, 1, 2, 500, 64, "fp16", 3, 1, 128, 32, (0.1, 0.3, 0.3, 0.3), False, [500, 0, 33], None,
+                 id="per-batch-kv-block32"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,Bm,Hm,qbs,kbs,probs,shuffle,lens,splits", MASKED)
+def test_decode_block_masks(request, B, Hq, Hkv, Nq, Nkv, D, dtype, Bm, Hm, qbs, kbs, probs, shuffle, lens, splits):
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    rng = np.random.default_rng(seed)
+    bm, dense = random_block_mask(rng, Bm, Hm, Nq, Nkv, qbs, kbs, probs=probs, shuffle=shuffle)
+    q, k, v = random_qkv(rng, B, Hq, Nq, D, dtype, Hkv=Hkv, Nkv=Nkv)
+    kv_lens = None if lens is None else np.array(lens, np.int32)
+    out = poisoned(q.shape, q.dtype)
+    got, lse = decode.decode_attention(*device(q, k, v), bm, kv_lens=kv_lens, num_splits=splits, return_lse=True,
+                                       out=out)
+    want, want_lse = reference.decode_attention(q, k, v, kv_lens, mask=dense, return_lse=True)
+    compare(got, lse, want, want_lse, dtype, label, seed)
+
+
+def test_decode_window_mask_from_mask_mod():
+    """A bottom-right sliding window written as an opaque mask_mod (every block evaluated)."""
+    seed = seed_of("window-mask-mod")
+    rng = np.random.default_rng(seed)
+    Nq, Nkv, W = 4, 900, 150
+
+    def window(b, h, i, j):
+        return (j <= i + Nkv - Nq) & (j > i + Nkv - Nq - W)
+
+    bm = BlockMask.from_mask_mod(window, None, None, Nq, Nkv)
+    q, k, v = random_qkv(rng, 2, 8, Nq, 128, "fp16", Hkv=2, Nkv=Nkv)
+    got, lse = decode.decode_attention(*device(q, k, v), bm, return_lse=True, num_splits=5)
+    want, want_lse = reference.decode_attention(q, k, v, mask=window, return_lse=True)
+    compare(got, lse, want, want_lse, "fp16", "window-mask-mod", seed)
+
+
+# --------------------------------------------------------------------------------------- paged
+# (B, Hq, Hkv, Nq, D, dtype, page_size, layout, kv_lens, causal, window, score_mod, num_splits)
+PAGED = [
+    pytest.param(3, 8, 2, 1, 128, "fp16", 16, "NHD", [0, 1, 1000], True, None, None, None, id="ps16-nhd"),
+    pytest.param(3, 8, 2, 1, 128, "fp16", 16, "HND", [0, 1, 1000], True, None, None, None, id="ps16-hnd"),
+    pytest.param(2, 8, 2, 4, 128, "bf16", 32, "NHD", [513, 40], True, None, None, 4, id="ps32-nhd-nq4"),
+    pytest.param(2, 4, 1, 16, 64, "fp16", 64, "HND", [1000, 17], True, None, None, None, id="ps64-hnd-nq16"),
+    pytest.param(2, 8, 2, 2, 128, "fp16", 128, "NHD", [3000, 100], True, 300, None, None, id="ps128-window"),
+    pytest.param(2, 8, 2, 3, 128, "bf16", 256, "HND", [1000, 600], False, 100, None, 2, id="ps256-window-noncausal"),
+    pytest.param(2, 4, 2, 1, 64, "fp16", 24, "NHD", [100, 49], True, None, None, 3, id="ps24-odd"),
+    pytest.param(2, 4, 1, 100, 64, "fp16", 16, "NHD", [400, 120], True, None, None, None, id="nq100-chunk"),
+    pytest.param(1, 4, 2, 100, 64, "bf16", 16, "HND", [50], True, None, None, None, id="nq100-short-sequence"),
+    pytest.param(2, 8, 2, 1, 128, "fp16", 64, "NHD", [700, 64], True, None, score_mods.softcap(10.0), None,
+                 id="softcap-ps64"),
+    pytest.param(2, 8, 2, 4, 64, "bf16", 16, "HND", [333, 700], True, 64, score_mods.alibi(8), None,
+                 id="alibi-window-ps16"),
+    pytest.param(2, 4, 2, 1, 256, "fp16", 32, "NHD", [300, 1], True, None, None, None, id="d256-ps32"),
+    pytest.param(2, 4, 4, 2, 32, "fp16", 16, "HND", [100, 0], False, None, None, 2, id="d32-ps16"),
+    pytest.param(1, 32, 8, 1, 128, "fp16", 16, "NHD", [4096], True, 1000, None, None, id="window-skips-pages"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,D,dtype,page_size,layout,lens,causal,window,score_mod,splits", PAGED)
+def test_paged_attention(request, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal, window, score_mod,
+                         splits):
+    import cupy as cp
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    rng = np.random.default_rng(seed)
+    N = max(max(lens), 1)
+    q, k, v = random_qkv(rng, B, Hq, Nq, D, dtype, Hkv=Hkv, Nkv=N)
+    kv_lens = np.array(lens, np.int32)
+    kp, vp, table = paged_from_contiguous(rng, k, v, page_size, layout, kv_lens)
+    want, want_lse = reference.paged_attention(q, kp, vp, table, kv_lens, causal=causal, window=window,
+                                               score_mod=score_mod, return_lse=True, layout=layout)
+    # Device metadata, checked on the device before launch, into a poisoned out
+    out = poisoned(q.shape, q.dtype)
+    got, lse = omnicupy.paged_attention(*device(q, kp, vp, table, kv_lens), causal=causal, window=window,
+                                        score_mod=score_mod, return_lse=True, out=out, layout=layout,
+                                        num_splits=splits)
+    assert got is out
+    compare(got, lse, want, want_lse, dtype, label, seed)
+    # Host metadata (checked on the host), NumPy out
+    host_out = np.full(q.shape, np.nan, dtype=q.dtype)
+    got = omnicupy.paged_attention(cp.asarray(q), cp.asarray(kp), cp.asarray(vp), table, kv_lens, causal=causal,
+                                   window=window, score_mod=score_mod, out=host_out, layout=layout, validate=False)
+    assert got is host_out
+    compare(got, None, want, want_lse, dtype, label + "/host-metadata", seed)
+    assert decode.take_device_errors() == 0
+
+
+def test_paged_equals_contiguous_cache():
+    """One cache, three layouts (contiguous, pages of 16, pages of 64): the same answer."""
+    seed = seed_of("paged-vs-contiguous")
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, 32, 1, 128, "fp16", Hkv=8, Nkv=2000)
+    lens = np.array([2000, 1234], np.int32)
+    contiguous = decode.decode_attention(*device(q, k, v), kv_lens=lens, causal=True).get().astype(np.float64)
+    for page_size in (16, 64):
+        kp, vp, table = paged_from_contiguous(rng, k, v, page_size, "NHD", lens)
+        paged = omnicupy.paged_attention(*device(q, kp, vp, table, lens)).get().astype(np.float64)
+        err = reference.relative_error(paged, contiguous)
+        assert err < 1e-3, f"page size {page_size} (seed {seed}): {err:.2e} from the contiguous cache"
+
+
+def test_bad_page_table_on_the_device():
+    """validate=True raises before launch; validate=False never reads outside the pool, flags it,
+    and leaves the other sequences right."""
+    import cupy as cp
+
+    seed = seed_of("bad-pages")
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, 8, 1, 64, "fp16", Hkv=2, Nkv=300)
+    lens = np.array([300, 200], np.int32)
+    kp, vp, table = paged_from_contiguous(rng, k, v, 16, "NHD", lens)
+    bad = table.copy()
+    bad[1, 3] = kp.shape[0] + 1000  # sequence 1 uses page 3 (keys 48..63)
+    qd, kd, vd, bad_d, lens_d = device(q, kp, vp, bad, lens)
+    with pytest.raises(KVCacheError, match=r"page_table\[1, 3\]"):
+        omnicupy.paged_attention(qd, kd, vd, bad_d, lens_d)
+    decode.take_device_errors(raise_error=False)
+    out = omnicupy.paged_attention(qd, kd, vd, bad_d, lens_d, validate=False)
+    cp.cuda.runtime.deviceSynchronize()
+    with pytest.raises(KVCacheError, match="page ids outside"):
+        decode.take_device_errors()
+    assert decode.take_device_errors() == 0  # read and cleared
+    want = reference.paged_attention(q[:1], kp, vp, table[:1], lens[:1])
+    compare(out[:1], None, want, np.zeros(want.shape[:3]), "fp16", "bad-pages/good-sequence", seed)
+    assert np.all(np.isfinite(out.get().astype(np.float64)))
+    # A length beyond the table: clamped and flagged
+    too_long = cp.asarray(np.array([300, 10**6], np.int32))
+    omnicupy.paged_attention(qd, kd, vd, cp.asarray(table), too_long, validate=False)
+    assert decode.take_device_errors(raise_error=False) & decode.ERROR_KV_LEN
+
+
+# -------------------------------------------------------------------------------------- varlen
+# (q lengths, k lengths or None for the same, Hq, Hkv, D, dtype, causal)
+VARLEN = [
+    pytest.param([1, 100, 0, 257, 1000], None, 4, 2, 64, "fp16", True, id="self-causal-with-empty"),
+    pytest.param([300, 5, 700], None, 4, 4, 128, "bf16", False, id="self-full"),
+    pytest.param([3, 10, 200], [8, 100, 150], 4, 2, 64, "fp16", True, id="cross-causal"),
+    pytest.param([1, 1, 1], [1000, 10, 0], 8, 2, 128, "fp16", True, id="decode-like"),
+]
+
+
+@pytest.mark.parametrize("q_lens,k_lens,Hq,Hkv,D,dtype,causal", VARLEN)
+def test_varlen_attention(request, q_lens, k_lens, Hq, Hkv, D, dtype, causal):
+    import cupy as cp
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    rng = np.random.default_rng(seed)
+    k_lens = q_lens if k_lens is None else k_lens
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    q4, k4, v4 = random_qkv(rng, 1, Hq, int(cu_q[-1]), D, dtype, Hkv=Hkv, Nkv=int(cu_k[-1]))
+    q, k, v = (np.ascontiguousarray(x[0].transpose(1, 0, 2)) for x in (q4, k4, v4))
+    out = poisoned(q.shape, q.dtype)
+    got, lse = omnicupy.varlen_attention(*device(q, k, v), cp.asarray(cu_q), cp.asarray(cu_k), causal=causal,
+                                         return_lse=True, out=out)
+    assert got is out
+    want, want_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
+    # rows as [Hq, total_q, D] so that the LSE [Hq, total_q] lines up with them
+    compare(got.transpose(1, 0, 2), lse, want.transpose(1, 0, 2), want_lse, dtype, label, seed)
