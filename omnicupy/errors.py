@@ -20,3 +20,9 @@ class CompileError(OmnicupyError, RuntimeError):
 
 class NoGPUError(OmnicupyError, RuntimeError):
     """A GPU is needed and none is usable (no CuPy, no driver or no device)."""
+
+
+class CacheError(OmnicupyError):
+    """The kernel cache folder cannot be used: not yours, writable by others, not a folder, not writable.
+    attention() never fails over it (the kernel is kept in memory); ``omnicupy precompile`` and
+    ``omnicupy cache`` report it."""
