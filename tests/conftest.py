@@ -41,8 +41,8 @@ def shadowed_installation() -> str:
         return ""  # an installed copy: what the README's command tests
     for dist in importlib.metadata.distributions(name="omnicupy"):
         location = Path(str(dist.locate_file(""))).resolve()
-        if location == SOURCE_TREE or SOURCE_TREE in location.parents or _editable(dist):
-            continue  # the source tree's own build metadata, or an editable install of it
+        if location == SOURCE_TREE or _editable(dist):
+            continue  # the source tree's own build metadata (omnicupy.egg-info), or an editable install
         return (f"omnicupy {dist.version} is installed in {location}, but these tests imported the source tree "
                 f"{SOURCE_TREE / 'omnicupy'}: the installed package would go untested. Run `pytest` (not "
                 f"`python -m pytest`, which puts the current folder on the import path) or `pip install -e .`.")

@@ -174,6 +174,41 @@ def test_get_kernel_loads_the_verified_bytes(tmp_cache, monkeypatch):
     assert jit.get_kernel(VARIANT) is kernel and len(loaded) == 1
 
 
+def test_loaded_kernel_wiring_without_a_gpu(monkeypatch):
+    """LoadedKernel loads the module from bytes and calls the function as cupy.RawKernel would
+    (CuPy's module, function and driver calls faked: no GPU here)."""
+    from cupy.cuda import driver, function
+
+    from omnicupy.jit.loader import LoadedKernel
+
+    calls = []
+
+    class FakeFunction:
+        ptr = 1234
+
+        def __call__(self, *args):
+            calls.append(("launch", args))
+
+    class FakeModule:
+        def load(self, image):
+            assert type(image) is bytes
+            calls.append(("load", image))
+
+        def get_function(self, name):
+            calls.append(("get_function", name))
+            return FakeFunction()
+
+    attributes = {}
+    monkeypatch.setattr(function, "Module", FakeModule)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda ptr, attr, value: attributes.__setitem__((ptr, attr), value))
+    monkeypatch.setattr(driver, "funcGetAttribute", lambda attr, ptr: attributes.get((ptr, attr), 7))
+    kernel = LoadedKernel(bytearray(b"image"), "k")
+    kernel.max_dynamic_shared_size_bytes = 100000
+    assert kernel.max_dynamic_shared_size_bytes == 100000 and kernel.num_regs == 7
+    kernel([3, 2, 1], (128,), ("a", "b"), shared_mem=100000)
+    assert calls == [("load", b"image"), ("get_function", "k"), ("launch", ((3, 2, 1), (128,), ("a", "b"), 100000, None))]
+
+
 @pytest.mark.parametrize("stem", ["", "../x", "a/b", ".hidden", "a.b", "x" * 201, "spaced name"])
 def test_stems_are_plain_names(tmp_path, stem):
     with pytest.raises(CacheError, match="stem"):

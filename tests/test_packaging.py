@@ -2,6 +2,7 @@
 its templates, headers, benchmark harness and py.typed, and the version has one source."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -63,3 +64,41 @@ def test_the_package_carries_its_files():
     assert harness is not None and harness.is_file()
     if (REPO / "omnicupy") != PACKAGE:  # an installed copy
         assert target == "module:omnicupy.benchmarks.run" and harness.parent.parent == PACKAGE
+
+
+def _regular_install_elsewhere() -> bool:
+    import importlib.metadata
+    import json
+
+    for dist in importlib.metadata.distributions(name="omnicupy"):
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        if Path(str(dist.locate_file(""))).resolve() != REPO and not direct.get("dir_info", {}).get("editable"):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("editable", [pytest.param(False, id="regular-install-shadowed"),
+                                      pytest.param(True, id="editable-install")])
+def test_tests_refuse_the_source_tree_when_omnicupy_is_installed(tmp_path, child_environment, editable):
+    """`python -m pytest` from the repository imports the source tree; with a regular install present
+    that would leave the install untested, so the session stops (exit 4, a usage error). An editable
+    install is the source tree: accepted (unless a regular install exists too, as in CI)."""
+    import json
+    import subprocess
+
+    status = 0 if editable and not _regular_install_elsewhere() else 4
+
+    site = tmp_path / "site"
+    info = site / "omnicupy-9.9.9.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omnicupy\nVersion: 9.9.9\n")
+    (info / "direct_url.json").write_text(json.dumps({"url": "file:///elsewhere", "dir_info": {"editable": editable}}))
+    environ = child_environment()
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), environ.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "tests/test_packaging.py::test_one_version_source"], capture_output=True, text=True,
+                            env=environ, cwd=REPO, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == status, output
+    if status:
+        assert "is installed in" in output and "python -m pytest" in output

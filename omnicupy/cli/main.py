@@ -22,7 +22,7 @@ from .._version import __version__
 from ..errors import OmnicupyError
 from ..jit import env
 from . import bench, cache, demo, info, precompile
-from .common import UsageError, first_line, verbose
+from .common import UsageError, first_line, log
 
 COMMANDS = (precompile, cache, info, demo, bench)
 
@@ -73,11 +73,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - one line, never a traceback (OMNICUPY_VERBOSE=1 shows it)
-        if verbose():
-            import traceback
-
-            traceback.print_exc()
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback (OMNICUPY_VERBOSE=1 logs it)
+        log.debug("%s failed", name, exc_info=True)
         kind = "" if isinstance(exc, (OmnicupyError, OSError, ValueError, ImportError)) else f"{type(exc).__name__}: "
         print(f"{name}: error: {kind}{first_line(exc)}", file=sys.stderr)
         return 1
