@@ -53,9 +53,11 @@ def arch_list(text: str) -> Optional[tuple[str, ...]]:
         try:
             arch = normalize_arch(item)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"arch {item!r} is not 'auto' or of the form sm_80, sm_90, sm_90a") from None
+            raise argparse.ArgumentTypeError(
+                f"arch {item!r} is not 'auto' or of the form sm_80, sm_90, sm_90a") from None
         if arch_number(arch) < MIN_ARCH:
-            raise argparse.ArgumentTypeError(f"arch {arch}: the kernels need sm_{MIN_ARCH} or newer (mma.sync, cp.async)")
+            raise argparse.ArgumentTypeError(
+                f"arch {arch}: the kernels need sm_{MIN_ARCH} or newer (mma.sync, cp.async)")
         if arch.endswith("a") and arch not in ARCH_SPECIFIC:
             raise argparse.ArgumentTypeError(f"arch {arch}: the only arch-specific target is sm_90a (Hopper's wgmma "
                                              f"kernels); use {arch[:-1]}")

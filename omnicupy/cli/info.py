@@ -76,7 +76,8 @@ def _cache() -> tuple[tuple[str, str], bool]:
     except (CacheError, OSError) as exc:
         return ("cache", f"{cache.root} (refused: {first_line(exc)})"), False
     extra = f"; {len(old)} folder(s) of other cache formats" if old else ""
-    return ("cache", f"{cache.root} ({len(entries)} variants, {human_bytes(sum(e.size for e in entries))}{extra})"), True
+    size = human_bytes(sum(e.size for e in entries))
+    return ("cache", f"{cache.root} ({len(entries)} variants, {size}{extra})"), True
 
 
 def _environment() -> tuple[tuple[str, str], bool]:

@@ -118,7 +118,8 @@ def _device_arch(device_id: int) -> str:
     usable = [a for a in supported_archs() if a // 10 == cc // 10 and a <= cc]
     if not usable:
         raise CompileError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot compile for GPU {device_id} "
-                           f"(compute capability {cc // 10}.{cc % 10}); install a CUDA toolkit wheel that knows sm_{cc}")
+                           f"(compute capability {cc // 10}.{cc % 10}); install a CUDA toolkit wheel that knows "
+                           f"sm_{cc}")
     return f"sm_{max(usable)}"
 
 

@@ -409,7 +409,8 @@ class DiskCache:
             return []
         found = []
         for entry in os.scandir(self.root):
-            if re.fullmatch(r"v\d+", entry.name) and entry.name != self.dir.name and entry.is_dir(follow_symlinks=False):
+            other = re.fullmatch(r"v\d+", entry.name) and entry.name != self.dir.name
+            if other and entry.is_dir(follow_symlinks=False):
                 found.append(Path(entry.path))
         return sorted(found)
 

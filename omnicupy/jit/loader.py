@@ -22,7 +22,8 @@ class LoadedKernel:
         self._module.load(bytes(image))
         self._function = self._module.get_function(name)
 
-    def __call__(self, grid: tuple, block: tuple, args: tuple, *, shared_mem: int = 0, stream: Optional[Any] = None) -> None:
+    def __call__(self, grid: tuple, block: tuple, args: tuple, *, shared_mem: int = 0,
+                 stream: Optional[Any] = None) -> None:
         self._function(tuple(grid), tuple(block), args, shared_mem, stream)
 
     def _attribute(self, which: str) -> int:
