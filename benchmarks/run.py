@@ -28,8 +28,10 @@ from typing import Optional
 
 if __package__ in (None, ""):  # run as `python benchmarks/run.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    __package__ = "benchmarks"  # relative imports then work as under `python -m benchmarks.run` (PEP 366)
 
-from benchmarks import _cases, _report  # noqa: E402
+# Relative: the harness also runs installed, as omnicupy.benchmarks.run (`omnicupy bench`).
+from . import _cases, _report  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: Explicit flags win over --quick.
@@ -238,7 +240,7 @@ def run(cfg: Config) -> int:
 
 
 def _run(cfg: Config, cache_label: str) -> int:
-    from benchmarks import _systems
+    from . import _systems
 
     started = time.perf_counter()
     systems = _systems.make_systems(list(cfg.systems))
@@ -342,7 +344,7 @@ def _error(system: str, case: _cases.Case, message: str) -> dict:
 
 
 def _run_case(cfg, bench, systems, case, masks, rows, errors, started, save) -> None:
-    from benchmarks import _systems
+    from . import _systems
 
     key = (case.mask, case.seq_len)
     if key not in masks:
@@ -395,7 +397,7 @@ def _finish(cfg, out: Optional[Path], meta, rows, errors, mask_build, first_call
         try:
             chart = _report.write_chart(rows, out / "chart.png", title=f"{meta['device']} {meta['date'][:10]}")
         except Exception:  # noqa: BLE001
-            from benchmarks import _systems
+            from . import _systems
 
             _systems.print_exception("chart")
         if chart is not None and latest:

@@ -44,3 +44,9 @@ class AliasError(ArgumentError):
 class KVCacheError(ArgumentError):
     """A KV cache's metadata that does not fit the cache: kv_lens beyond the cache or its page table,
     page ids outside the page pool (omnicupy.paged_attention, attention(kv_lens=...))."""
+
+
+class CacheError(OmnicupyError):
+    """The kernel cache folder cannot be used: not yours, writable by others, not a folder, not writable.
+    attention() never fails over it (the kernel is kept in memory); ``omnicupy precompile`` and
+    ``omnicupy cache`` report it."""

@@ -114,3 +114,108 @@ def test_generated_wgmma_header_is_current():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.target().read_text() == gen.render()
+
+
+# ----------------------------------------------------------------------------- NVRTC through CuPy
+@pytest.fixture
+def fresh_nvrtc():
+    """Forget the NVRTC bindings found so far (before and after the test)."""
+    for cached in (compiler._nvrtc, compiler.nvrtc_version, compiler.supported_archs):
+        cached.cache_clear()
+    yield
+    for cached in (compiler._nvrtc, compiler.nvrtc_version, compiler.supported_archs):
+        cached.cache_clear()
+
+
+def test_missing_private_nvrtc_module_is_a_compile_error_naming_cupy(monkeypatch, fresh_nvrtc):
+    import sys
+
+    import cupy
+    import cupy_backends.cuda.libs as libs
+
+    monkeypatch.delattr(libs, "nvrtc")
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # import fails
+    with pytest.raises(CompileError, match=f"CuPy {cupy.__version__}.*cupy_backends.cuda.libs.nvrtc"):
+        compiler.nvrtc_version()
+
+
+def test_changed_private_nvrtc_module_is_a_compile_error(monkeypatch, fresh_nvrtc):
+    import types
+
+    import cupy
+    import cupy_backends.cuda.libs as libs
+
+    changed = types.ModuleType("nvrtc")
+    for name in ("getVersion", "getSupportedArchs", "createProgram", "compileProgram", "getProgramLog",
+                 "destroyProgram", "NVRTCError"):  # getCUBIN is gone
+        setattr(changed, name, getattr(libs.nvrtc, name))
+    monkeypatch.setattr(libs, "nvrtc", changed)
+    with pytest.raises(CompileError, match=f"CuPy {cupy.__version__}.*lack getCUBIN"):
+        compiler.compile_cubin('extern "C" __global__ void k() {}', name="k", arch="sm_80")
+
+
+def test_changed_binding_signature_is_a_compile_error(monkeypatch, fresh_nvrtc):
+    import types
+
+    import cupy_backends.cuda.libs as libs
+
+    changed = types.ModuleType("nvrtc")
+    for name in compiler._NVRTC_FUNCTIONS:
+        setattr(changed, name, getattr(libs.nvrtc, name))
+    changed.createProgram = lambda src, name: None  # one argument fewer than omnicupy passes
+    monkeypatch.setattr(libs, "nvrtc", changed)
+    with pytest.raises(CompileError, match="createProgram did not accept"):
+        compiler.compile_cubin('extern "C" __global__ void k() {}', name="k", arch="sm_80")
+
+
+def test_unknown_cupy_major_still_compiles(monkeypatch, fresh_nvrtc, caplog):
+    import cupy
+
+    monkeypatch.setattr(cupy, "__version__", "99.0.0")
+    with caplog.at_level("DEBUG", logger="omnicupy.jit.compiler"):
+        result = compiler.compile_cubin('extern "C" __global__ void k() {}', name="k", arch="sm_80")
+    assert result.cubin and "not checked with this version" in caplog.text
+
+
+# ----------------------------------------------------------------------------- device arch
+class _FakeDevice:
+    cc = "90"
+
+    def __init__(self, device_id=None):
+        self.compute_capability = _FakeDevice.cc
+
+
+@pytest.mark.parametrize("cc, nvrtc_knows, expected", [
+    pytest.param("75", (75, 80, 90), "NoGPUError", id="turing-refused"),
+    pytest.param("70", (70, 80, 90), "NoGPUError", id="volta-refused"),
+    pytest.param("80", (80, 86, 90), "sm_80", id="a100"),
+    pytest.param("89", (80, 86, 90), "sm_86", id="ada-newest-minor-known"),
+    pytest.param("90", (80, 86, 89, 90, 100), "sm_90", id="h100"),
+    pytest.param("100", (80, 86, 89, 90), "CompileError", id="major-unknown-to-nvrtc"),
+])
+def test_device_arch(monkeypatch, cc, nvrtc_knows, expected):
+    import cupy
+
+    from omnicupy.errors import NoGPUError
+
+    monkeypatch.setattr(_FakeDevice, "cc", cc)
+    monkeypatch.setattr(cupy.cuda, "Device", _FakeDevice)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda i: {"name": b"Some GPU"})
+    monkeypatch.setattr(jit, "supported_archs", lambda: nvrtc_knows)
+    jit._device_arch.cache_clear()
+    try:
+        if expected in ("NoGPUError", "CompileError"):
+            error = NoGPUError if expected == "NoGPUError" else CompileError
+            with pytest.raises(error, match="sm_80" if expected == "NoGPUError" else "compute capability"):
+                jit.device_arch(0)
+        else:
+            assert jit.device_arch(0) == expected
+    finally:
+        jit._device_arch.cache_clear()
+
+
+def test_bad_arch_is_an_argument_error():
+    from omnicupy.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="sm_80"):
+        compiler.normalize_arch("hopper")

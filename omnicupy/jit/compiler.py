@@ -1,34 +1,85 @@
-"""NVRTC: CUDA source -> cubin for an explicit arch. Needs no GPU. Knows nothing of attention."""
+"""NVRTC: CUDA source -> cubin for an explicit arch. Needs no GPU. Knows nothing of attention.
+
+NVRTC is reached through CuPy's bindings, ``cupy_backends.cuda.libs.nvrtc``: CuPy ships and loads
+the NVRTC library we compile with, and ``cupy.cuda.compiler`` cannot target an arch without asking
+a driver. That module is not a public CuPy interface, so it is checked before use: the functions we
+call must be there (checked against CuPy 13 and 14), otherwise a CompileError names the CuPy
+version; a CuPy major outside the checked range is logged once at DEBUG.
+"""
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Sequence
 
-from ..errors import CompileError
+from ..errors import ArgumentError, CompileError
+
+_log = logging.getLogger(__name__)
+
+#: CuPy majors whose private NVRTC bindings were checked to offer what ``compile_cubin`` calls.
+CHECKED_CUPY_MAJORS = (13, 14)
+_NVRTC_FUNCTIONS = ("getVersion", "getSupportedArchs", "createProgram", "compileProgram", "getProgramLog",
+                    "getCUBIN", "destroyProgram", "NVRTCError")
+_INSTALL_HINT = "pip install 'omnicupy[cuda12]' (or 'omnicupy[cuda13]' on a CUDA 13 driver stack)"
 
 
-def _nvrtc():
+def _cupy_version() -> str:
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no usable CuPy"
+        raise CompileError(f"NVRTC is not available: CuPy does not import ({exc}); {_INSTALL_HINT}") from exc
+    return str(getattr(cupy, "__version__", "unknown"))
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc() -> ModuleType:
+    version = _cupy_version()
     try:
         from cupy_backends.cuda.libs import nvrtc
     except Exception as exc:  # noqa: BLE001
         raise CompileError(
-            "NVRTC is not available: install CuPy with its NVRTC wheel "
-            "(pip install 'omnicupy[cuda12]' or 'omnicupy[cuda13]')"
-        ) from exc
+            f"CuPy {version} has no usable cupy_backends.cuda.libs.nvrtc, through which omnicupy reaches NVRTC "
+            f"(checked with CuPy {', '.join(map(str, CHECKED_CUPY_MAJORS))}): {exc}; {_INSTALL_HINT}") from exc
+    missing = [name for name in _NVRTC_FUNCTIONS if not hasattr(nvrtc, name)]
+    if missing:
+        raise CompileError(
+            f"CuPy {version}'s NVRTC bindings (cupy_backends.cuda.libs.nvrtc) lack {', '.join(missing)}: this CuPy "
+            f"changed a private interface omnicupy uses (checked with CuPy "
+            f"{', '.join(map(str, CHECKED_CUPY_MAJORS))}); install a CuPy of those versions")
+    major = re.match(r"\d+", version)
+    if major is None or int(major.group()) not in CHECKED_CUPY_MAJORS:
+        _log.debug("CuPy %s: NVRTC bindings not checked with this version (checked: %s)", version, CHECKED_CUPY_MAJORS)
     return nvrtc
+
+
+def _call(what: str, function, *args):
+    """Call a binding; a changed signature or a missing NVRTC library becomes a CompileError."""
+    try:
+        return function(*args)
+    except (TypeError, AttributeError) as exc:
+        raise CompileError(f"CuPy {_cupy_version()}'s NVRTC binding {what} did not accept omnicupy's call ({exc}); "
+                           f"checked with CuPy {', '.join(map(str, CHECKED_CUPY_MAJORS))}") from exc
 
 
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
-    return tuple(_nvrtc().getVersion())
+    nvrtc = _nvrtc()
+    try:
+        return tuple(_call("getVersion", nvrtc.getVersion))
+    except CompileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the NVRTC library itself could not be loaded
+        raise CompileError(f"CuPy {_cupy_version()} could not load the NVRTC library ({exc}); {_INSTALL_HINT}") from exc
 
 
 @functools.lru_cache(maxsize=1)
 def supported_archs() -> tuple[int, ...]:
-    return tuple(int(a) for a in _nvrtc().getSupportedArchs())
+    nvrtc_version()  # loads the library, with its error message
+    return tuple(int(a) for a in _call("getSupportedArchs", _nvrtc().getSupportedArchs))
 
 
 def normalize_arch(arch: str | int) -> str:
@@ -36,7 +87,7 @@ def normalize_arch(arch: str | int) -> str:
     text = str(arch).strip().lower()
     match = re.fullmatch(r"(?:sm_|compute_)?(\d{2,3})(a?)", text)
     if not match:
-        raise ValueError(f"arch {arch!r} is not of the form sm_80, sm_90, sm_90a")
+        raise ArgumentError(f"arch {arch!r} is not of the form sm_80, sm_90, sm_90a")
     return f"sm_{match.group(1)}{match.group(2)}"
 
 
@@ -80,15 +131,15 @@ def compile_cubin(
         *(f"-I{d}" for d in include_dirs),
         *extra_options,
     )
-    prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    prog = _call("createProgram", nvrtc.createProgram, source, f"{name}.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, list(options))
+            _call("compileProgram", nvrtc.compileProgram, prog, list(options))
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"NVRTC failed to compile {name} for {arch} ({exc}).\noptions: {' '.join(options)}\n{log}") from None
-        log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
+        log = _call("getProgramLog", nvrtc.getProgramLog, prog)
+        cubin = _call("getCUBIN", nvrtc.getCUBIN, prog)
     finally:
         nvrtc.destroyProgram(prog)
     regs = _REG_RE.search(log)

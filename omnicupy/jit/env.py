@@ -1,25 +1,34 @@
-"""Paths and environment switches, and nothing else.
+"""Paths, environment switches and the package's logging setup, and nothing else.
 
-Every variable starts with ``OMNICUPY_``; booleans are parsed by ``env_flag`` alone.
+Every variable starts with ``OMNICUPY_``; booleans are parsed by ``env_flag`` alone, choices by
+``_choice``; ``check_environment`` reports every set variable that would be refused (``omnicupy
+info`` prints it). A bad value raises ``ArgumentError`` naming the variable when it is read.
 
 | variable | default | meaning |
 | --- | --- | --- |
 | OMNICUPY_CACHE_DIR | $XDG_CACHE_HOME/omnicupy or ~/.cache/omnicupy | where compiled kernels live |
 | OMNICUPY_KEEP_SOURCE | 0 | keep each rendered .cu beside its cubin |
 | OMNICUPY_LINEINFO | 0 | compile with -lineinfo (for ncu / compute-sanitizer source lines) |
-| OMNICUPY_VERBOSE | 0 | log compiles and cache hits to stderr |
+| OMNICUPY_VERBOSE | 0 | log compiles, cache hits and cache problems (logger ``omnicupy`` at DEBUG, to stderr) |
 | OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma |
 | OMNICUPY_SCHEDULE | lpt | q tile launch order: lpt (heaviest first, from the block mask), natural (last tile first) |
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import ArgumentError
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../omnicupy
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
+
+#: The parent of every logger in the package (``omnicupy.jit``, ``omnicupy.jit.cache``, ``omnicupy.cli``...).
+LOGGER_NAME = "omnicupy"
 
 
 def env_flag(name: str, default: bool = False) -> bool:
@@ -31,7 +40,14 @@ def env_flag(name: str, default: bool = False) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+    raise ArgumentError(f"environment variable {name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if raw not in choices:
+        raise ArgumentError(f"environment variable {name}={raw!r} must be one of {choices}")
+    return raw
 
 
 def _bundled_dir(name: str) -> Path:
@@ -74,17 +90,69 @@ MMA_CHOICES = ("auto", "sync", "wgmma")
 
 
 def mma_family() -> str:
-    raw = os.environ.get("OMNICUPY_MMA", "auto").strip().lower() or "auto"
-    if raw not in MMA_CHOICES:
-        raise ValueError(f"environment variable OMNICUPY_MMA={raw!r} must be one of {MMA_CHOICES}")
-    return raw
+    return _choice("OMNICUPY_MMA", MMA_CHOICES)
 
 
 SCHEDULE_CHOICES = ("lpt", "natural")
 
 
 def schedule() -> str:
-    raw = os.environ.get("OMNICUPY_SCHEDULE", "lpt").strip().lower() or "lpt"
-    if raw not in SCHEDULE_CHOICES:
-        raise ValueError(f"environment variable OMNICUPY_SCHEDULE={raw!r} must be one of {SCHEDULE_CHOICES}")
-    return raw
+    return _choice("OMNICUPY_SCHEDULE", SCHEDULE_CHOICES)
+
+
+def _check_cache_dir() -> None:
+    if not os.environ.get("OMNICUPY_CACHE_DIR", "x").strip():
+        raise ArgumentError("environment variable OMNICUPY_CACHE_DIR is set but empty (unset it for the default)")
+
+
+#: Every variable the package reads, with the reader that validates it.
+VARIABLES: dict[str, Callable[[], object]] = {
+    "OMNICUPY_CACHE_DIR": _check_cache_dir,
+    "OMNICUPY_KEEP_SOURCE": keep_source,
+    "OMNICUPY_LINEINFO": lineinfo,
+    "OMNICUPY_VERBOSE": verbose,
+    "OMNICUPY_MMA": mma_family,
+    "OMNICUPY_SCHEDULE": schedule,
+}
+
+
+def check_environment() -> list[tuple[str, str, Optional[str]]]:
+    """``(name, value, problem or None)`` for every ``OMNICUPY_*`` variable that is set; a name the
+    package does not read is a problem too (a typo would otherwise be silently ignored)."""
+    rows = []
+    for name, value in sorted(os.environ.items()):
+        if not name.startswith("OMNICUPY_"):
+            continue
+        problem = None
+        reader = VARIABLES.get(name)
+        if reader is None:
+            problem = f"unknown variable (omnicupy reads {', '.join(VARIABLES)})"
+        else:
+            try:
+                reader()
+            except ArgumentError as exc:
+                problem = str(exc)
+        rows.append((name, value, problem))
+    return rows
+
+
+_HANDLER_NAME = "omnicupy-verbose"
+
+
+def configure_logging() -> None:
+    """``OMNICUPY_VERBOSE=1``: the ``omnicupy`` logger logs at DEBUG, to stderr unless the application
+    has configured logging itself. Otherwise nothing is configured: warnings reach stderr through
+    Python's last-resort handler, and an application's own logging setup decides everything."""
+    try:
+        on = verbose()
+    except ArgumentError:
+        on = False  # an invalid value is reported by `omnicupy info`; importing must not fail over it
+    logger = logging.getLogger(LOGGER_NAME)
+    if not on:
+        return
+    logger.setLevel(logging.DEBUG)
+    if not logger.hasHandlers() and not any(h.get_name() == _HANDLER_NAME for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.set_name(_HANDLER_NAME)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        logger.addHandler(handler)

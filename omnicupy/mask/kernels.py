@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..errors import VariantError
 from . import blocks
 from .blocks import block_types, hash_multipliers
 from .types import PARTIAL_WORD_BITS, cdiv, cpp_enum
@@ -49,7 +50,7 @@ class MaskKernel:
 
     def __post_init__(self) -> None:
         if self.operation not in TEMPLATES:
-            raise ValueError(f"unknown mask kernel {self.operation!r}; known: {sorted(TEMPLATES)}")
+            raise VariantError(f"unknown mask kernel {self.operation!r}; known: {sorted(TEMPLATES)}")
 
     @property
     def name(self) -> str:

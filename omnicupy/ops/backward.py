@@ -103,12 +103,8 @@ def _kernels(variant) -> tuple:
         with _modules_lock:
             found = _modules.get(key)
             if found is None:
-                entry, _ = jit.build(variant, current_arch())
-                module = cupy.RawModule(path=str(entry.binary_path))
-                main = module.get_function(variant.name)
-                if variant.smem_bytes > 48 * 1024:
-                    main.max_dynamic_shared_size_bytes = variant.smem_bytes
-                found = (module.get_function(f"{variant.name}_pre"), main, module.get_function(f"{variant.name}_dq"))
+                main = jit.get_kernel(variant)  # loaded from the bytes the cache verified
+                found = (main.sibling(f"{variant.name}_pre"), main, main.sibling(f"{variant.name}_dq"))
                 _modules[key] = found
     return found
 
