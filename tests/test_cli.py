@@ -184,7 +184,7 @@ def test_precompile_again_hits_the_cache(warm_cache, omnicupy_command):
 
 def test_precompile_progress_eta_and_summary(cache, omnicupy_command):
     result = omnicupy_command("precompile", "--arch", "sm_90", "--head-dims", "32", "--dtypes", "bf16",
-                              "--stages", "1", "--jobs", "2", cache=cache)
+                              "--stages", "1", "--ops", "forward", "--jobs", "2", cache=cache)
     assert result.returncode == 0, result.stderr
     progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert "4/4" in progress[-1] and "done" in progress[-1]
