@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 from . import arrays, jit
 from .dispatch import tiles
 from .dispatch.arch import has_wgmma
-from .dispatch.variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
+from .dispatch.variant import HOPPER_FAMILIES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
 from ._version import __version__
 from .errors import OmnicupyError
 from .jit import env
@@ -248,7 +248,7 @@ def plan(variants: Sequence[Variant], archs: Sequence[str]) -> tuple[list[tuple[
     tasks, skipped = [], 0
     for arch in archs:
         for variant in variants:
-            if variant.family == "wgmma" and not has_wgmma(arch):
+            if variant.family in HOPPER_FAMILIES and not has_wgmma(arch):
                 continue
             if variant.runs_on(arch):
                 tasks.append((variant, arch))

@@ -88,17 +88,17 @@ def test_precompile_without_gpu_for_sm80_and_sm90(warm_cache):
     listing = omnicupy("cache", "list", cache=warm_cache)
     assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("omni_fwd_")]
-    assert len(rows) == 12  # 4 mma.sync variants for each arch, 4 wgmma ones for sm_90 (as sm_90a)
+    assert len(rows) == 16  # 4 mma.sync variants for each arch, 4 wgmma and 4 tma ones for sm_90 (as sm_90a)
     assert sorted({row[1] for row in rows}) == ["sm_80", "sm_90", "sm_90a"]
     assert all(row[0].startswith("omni_fwd_fp16_hd64_") and "_st2" in row[0] for row in rows)
-    assert all(("_wgmma" in row[0]) == (row[1] == "sm_90a") for row in rows)
-    assert "12 variants" in listing.stdout
+    assert all(("_wgmma" in row[0] or "_tma" in row[0]) == (row[1] == "sm_90a") for row in rows)
+    assert "16 variants" in listing.stdout
 
 
 def test_precompile_again_hits_the_cache(warm_cache):
     result = omnicupy("precompile", "--arch", "sm_80,sm_90", *SMALL, "--jobs", "1", cache=warm_cache)
     assert result.returncode == 0, result.stderr
-    assert "0 built, 12 already cached, 0 failed" in result.stdout
+    assert "0 built, 16 already cached, 0 failed" in result.stdout
     assert "bytes" in result.stdout
 
 
@@ -184,7 +184,7 @@ def test_info_without_gpu(warm_cache):
     assert fields["omnicupy"].startswith("0.")
     assert fields["cupy"][0].isdigit()
     assert fields["nvrtc"][0].isdigit() and "sm_90" in fields["nvrtc"]
-    assert fields["cache"].startswith(str(warm_cache)) and "(12 variants" in fields["cache"]
+    assert fields["cache"].startswith(str(warm_cache)) and "(16 variants" in fields["cache"]
     if not arrays.gpu_available():
         assert fields["driver"] == "none"
         assert fields["device"].startswith("none")
@@ -195,8 +195,8 @@ def test_demo_without_gpu_compiles_instead(cache):
     result = omnicupy("demo", "--head-dim", "64", "--dtype", "fp16", "--jobs", "2", cache=cache)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("no GPU: compiling the default variants instead")
-    # 8 hd64 fp16 mma.sync variants x (sm_80, sm_90) + 4 wgmma ones for sm_90
-    assert "20 built, 0 already cached, 0 failed" in result.stdout
+    # 8 hd64 fp16 mma.sync variants x (sm_80, sm_90) + 4 wgmma and 4 tma ones for sm_90
+    assert "24 built, 0 already cached, 0 failed" in result.stdout
 
 
 def test_bench_without_harness(tmp_path, cache):

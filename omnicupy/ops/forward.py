@@ -7,20 +7,23 @@ check runs before any launch and raises an ArgumentError (or MaskError) naming t
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import struct
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from .. import arrays, jit
 from ..jit import env
 from ..dispatch.arch import current_arch
-from ..dispatch.params import FORWARD
+from ..dispatch.abi import ParamStruct
+from ..dispatch.params import FORWARD, struct_for
 from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError
 from ..mask import BlockMask, expressions
+from . import tma
 from .inputs import (Bias, Inputs, aligned, as_array, check_bias, check_device, check_mask_matches, check_out,
                      check_qkv, check_scale, check_score_mod, check_stages, device_out, on_device, require_gpu,
                      to_device)
@@ -64,11 +67,18 @@ class Extras:
         return self.bias is not None or self.score_expr is not None
 
 
-def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str]) -> Plan:
-    return plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
+def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str],
+              family: Optional[str] = None) -> Plan:
+    plan = plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
                         stages=stages, bias=extras.bias.dtype if extras.bias else None,
                         mask_expr=extras.mask_expr.key if extras.mask_expr else None,
-                        score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch)
+                        score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch, family=family)
+    if plan.variant.family == "tma":  # inputs TMA cannot address run on the wgmma family (ops/tma.py)
+        why = tma.unusable(plan.variant, {"q": inp.q, "k": inp.k, "v": inp.v}, inp.dtype)
+        if why is not None:
+            logging.getLogger("omnicupy").info(f"omnicupy: tma family not used ({why}); wgmma instead")
+            return make_plan(inp, bm, stages, extras, arch, family="wgmma")
+    return plan
 
 
 def _element_strides(x: Any, prefix: str) -> dict[str, int]:
@@ -125,8 +135,12 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
-    kernel(plan.grid, plan.block, (FORWARD.pack(fields),), shared_mem=plan.smem_bytes)
-    return Recipe.make(kernel, plan, fields)
+    params, maps = struct_for(plan.operation, plan.variant.family), None
+    if plan.variant.family == "tma":  # TMA tensor maps of q, k, v (ops/tma.py; cached per buffer)
+        maps = tma.MapWriter.make(plan.variant, inp.q, inp.k, inp.v, inp.dtype)
+        fields.update(maps.fields(inp.q.data.ptr, inp.k.data.ptr, inp.v.data.ptr))
+    kernel(plan.grid, plan.block, (params.pack(fields),), shared_mem=plan.smem_bytes)
+    return Recipe.make(kernel, plan, fields, params, maps)
 
 
 #: The per-call pointer fields: everything else in the struct is fixed by the call's signature.
@@ -145,20 +159,25 @@ class Recipe:
     template: bytes
     slots: tuple[int, ...]  # byte offsets of q, k, v, o, lse in the struct
     keep: tuple  # arrays the struct points at (metadata, bias, expression tables), kept alive
+    params: ParamStruct = FORWARD
+    #: tma family: writes the tensor maps of the call's q, k, v pointers (ops/tma.MapWriter)
+    maps: Optional[Callable[[bytearray, tuple], None]] = None
 
     @classmethod
-    def make(cls, kernel, plan: Plan, fields: dict) -> "Recipe":
+    def make(cls, kernel, plan: Plan, fields: dict, params: ParamStruct = FORWARD, maps=None) -> "Recipe":
         fixed = dict(fields, **{name: None for name in _POINTER_FIELDS})
         keep = tuple(v for k, v in fields.items() if k not in _POINTER_FIELDS and hasattr(v, "data"))
-        return cls(kernel, plan, bytes(FORWARD.pack(fixed)), tuple(FORWARD.offset(n) for n in _POINTER_FIELDS),
-                   keep)
+        return cls(kernel, plan, bytes(params.pack(fixed)), tuple(params.offset(n) for n in _POINTER_FIELDS),
+                   keep, params, maps)
 
     def launch(self, *pointers: int) -> None:
         buf = bytearray(self.template)
         for offset, ptr in zip(self.slots, pointers):
             _POINTER.pack_into(buf, offset, ptr)
+        if self.maps is not None:
+            self.maps(buf, pointers)
         plan = self.plan
-        self.kernel(plan.grid, plan.block, (np.frombuffer(buf, dtype=FORWARD.record_dtype)[0],),
+        self.kernel(plan.grid, plan.block, (np.frombuffer(buf, dtype=self.params.record_dtype)[0],),
                     shared_mem=plan.smem_bytes)
 
 
