@@ -152,6 +152,8 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     hopper = arch is not None and has_wgmma(arch)
     if hopper and (family == "tma" or (family == "auto" and head_dim in TMA_AUTO_HEAD_DIMS)):
         tm = _hopper_tile("tma", head_dim, stages, q_block_size, kv_block_size)
+        if tm is not None and extras:  # per-score work needs the registers the pipelines hold P in
+            tm = dataclasses.replace(tm, overlap=False, pingpong=False)
         if tm is not None:
             return Variant(head_dim, dtype, tm.br, tm.bc, tm.warps, stages, causal, partial, bias, mask_expr,
                            score_expr, family="tma", **tm.options())

@@ -52,9 +52,12 @@ def _driver() -> Optional[Any]:
         _log.warning("omnicupy: the tma kernels need NVIDIA's cuda-bindings (pip install cuda-bindings); "
                      "using the wgmma family instead")
         return None
-    err, = driver.cuInit(0)  # already initialised by CuPy's runtime in practice; cheap and idempotent
-    if int(err) != 0:
-        _log.warning(f"omnicupy: cuInit failed ({err}); using the wgmma family instead of tma")
+    try:  # already initialised by CuPy's runtime in practice; cheap and idempotent
+        err, = driver.cuInit(0)
+    except Exception as exc:  # noqa: BLE001 - no driver library (a CPU-only machine)
+        err = exc
+    if not isinstance(err, driver.CUresult) or int(err) != 0:
+        _log.warning(f"omnicupy: the CUDA driver is not usable for tensor maps ({err}); using the wgmma family")
         return None
     return driver
 
