@@ -41,7 +41,7 @@ def family(name: str, head_dim: int):
     saved = os.environ.get("OMNICUPY_MMA")
     os.environ["OMNICUPY_MMA"] = "wgmma" if name == "wgmma" else "tma"
     try:
-        if name == "wgmma":
+        if name not in PIPELINES:  # "wgmma", or "tma": the tuned tile
             yield
         else:
             tuned = tiles.TMA_TUNED[(head_dim, 2)]
@@ -73,26 +73,26 @@ def variants_to_build(head_dims) -> list:
                     out.add(planned(name, hd, qkv, causal=causal))
             out.add(planned(name, hd, qkv, block_mask=_mixed_mask(256)))
         bias = np.zeros((1, 2, 256, 256), np.float32)
-        out.add(planned("tma-pingpong", hd, qkv, causal=True, bias=bias, score_mod=score_mods.softcap(5.0)))
+        out.add(planned("tma", hd, qkv, causal=True, bias=bias, score_mod=score_mods.softcap(5.0)))
         n = 261  # sanitize_variants.py's feature cases
         qkv_n = [np.zeros((1, 2, n, hd), np.float16)] * 3
         kv_n = [np.zeros((1, 2, n + 5, hd), np.float16)] * 2
-        out.add(planned("tma-pingpong", hd, [qkv_n[0], *kv_n], causal=True,
+        out.add(planned("tma", hd, [qkv_n[0], *kv_n], causal=True,
                         bias=np.zeros((1, 2, n, n + 5), np.float32), score_mod=score_mods.softcap(5.0)))
-        out.add(planned("tma-pingpong", hd, [qkv_n[0], *kv_n], causal="bottom_right"))
+        out.add(planned("tma", hd, [qkv_n[0], *kv_n], causal="bottom_right"))
         for n_doc, period in ((261, 37), (411, 53)):
             doc = (np.arange(n_doc) // period).astype(np.int32)
             fused = omnicupy.cuda_mask("doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx", arrays={"doc": doc},
                                        numpy_fn=lambda b, h, qi, ki, doc=doc: (doc[qi] == doc[ki]) & (qi >= ki))
             bm = BlockMask.from_mask_mod(fused, None, None, n_doc, n_doc)
             q_doc = [np.zeros((1, 2, n_doc, hd), np.float16)] * 3
-            out.add(planned("tma-pingpong", hd, q_doc, block_mask=bm, fuse_mask=True))
+            out.add(planned("tma", hd, q_doc, block_mask=bm, fuse_mask=True))
     out.add(tiles.Variant(128, "fp16", 64, 64, 8, 2, True, True, family="tma", overlap=True))
     for hd in (64, 128, 256):  # test_tma_gpu.py's random block types on each pipeline
         tuned = tiles.TMA_TUNED[(hd, 2)]
-        for overlap in (False, True):
+        for overlap, pingpong in ((False, False), (True, False), (True, True)):
             out.add(tiles.Variant(hd, "fp16", tuned.br, tuned.bc, tuned.warps, 2, True, True, family="tma",
-                                  overlap=overlap))
+                                  overlap=overlap, pingpong=pingpong))
     return sorted(out, key=lambda v: v.name)
 
 

@@ -10,7 +10,7 @@ from omnicupy.dispatch.variant import Variant
 # (head_dim, stages, q_block, kv_block, arch, OMNICUPY_MMA) -> expected family
 SELECTION = [
     (64, None, 128, 128, "sm_90", "auto", "wgmma"),
-    (128, 2, 128, 128, "sm_90", "auto", "wgmma"),
+    (128, 2, 128, 128, "sm_90", "auto", "tma"),         # tma measured faster at D = 128 (NOTES.md §12)
     (256, None, 128, 128, "sm_90", "auto", "wgmma"),
     (128, None, 128, 128, "sm_80", "auto", "sync"),     # wgmma is Hopper-only
     (128, None, 128, 128, "sm_100", "auto", "sync"),    # sm_90a code does not run on later archs
@@ -100,7 +100,7 @@ def test_bad_tile_spec(spec):
 
 
 def test_tile_options_reach_the_variant(monkeypatch):
-    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    monkeypatch.setenv("OMNICUPY_MMA", "wgmma")
     with tiles.use_tiles({(128, 2): tiles.Tile(128, 128, 8, poly_exp=8)}, family="wgmma"):
         v = tiles.select_variant(128, "fp16", None, 128, 128, True, False, arch="sm_90")
     assert (v.br, v.bc, v.warps, v.poly_exp, v.family) == (128, 128, 8, 8, "wgmma") and "_pe8" in v.name

@@ -76,18 +76,19 @@ WGMMA_FALLBACKS = (Tile(64, 64, 4),)
 
 #: Hopper's warp-specialized TMA family (sm_90a, templates/attention_fwd_tma.cu.jinja):
 #: (head_dim, stages) -> tile; warps = one per 16 query rows plus the producer warpgroup's 4.
-#: Two consumer warpgroups (128 query rows) with 240 registers each, one CTA per SM.
-#: NOTES.md §12 has the measurements behind each entry.
+#: Two consumer warpgroups (128 query rows) with 240 registers each, one CTA per SM. The plain
+#: pipeline: at D = 64 the three pipelines measured equal, at D = 128 plain was fastest on full
+#: attention and equal on causal (NOTES.md §12).
 TMA_TUNED: dict[tuple[int, int], Tile] = {
-    (64, 2): Tile(128, 128, 12, overlap=True, pingpong=True),
-    (128, 2): Tile(128, 128, 12, overlap=True, pingpong=True),
-    (256, 2): Tile(128, 64, 12, overlap=True, pingpong=True),
+    (64, 2): Tile(128, 128, 12),
+    (128, 2): Tile(128, 128, 12),
+    (256, 2): Tile(128, 64, 12),
 }
 #: tma tiles for block sizes the tuned one does not divide (q blocks of 64: one consumer warpgroup).
 TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
 #: faster than the wgmma family (NOTES.md §12); elsewhere it is opt-in (OMNICUPY_MMA=tma).
-TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset()
+TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128})
 
 #: Stage used when the caller does not choose one.
 DEFAULT_STAGES: dict[int, int] = {32: 2, 64: 2, 96: 2, 128: 2, 256: 2}
@@ -120,11 +121,13 @@ def select_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: in
     )
 
 
-def _hopper_tile(family: str, head_dim: int, stages: int, q_block_size: int, kv_block_size: int) -> Optional[Tile]:
+def _hopper_tile(family: str, head_dim: int, stages: int, q_block_size: int, kv_block_size: int,
+                 fallbacks: bool = True) -> Optional[Tile]:
     tuned = _TABLES[family].get((head_dim, stages))
     if tuned is None:
         return None
-    for tile in (tuned, *(TMA_FALLBACKS if family == "tma" else WGMMA_FALLBACKS)):
+    others = (TMA_FALLBACKS if family == "tma" else WGMMA_FALLBACKS) if fallbacks else ()
+    for tile in (tuned, *others):
         if q_block_size % tile.br == 0 and kv_block_size % tile.bc == 0:
             return tile
     return None
@@ -151,7 +154,8 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family = family or env.mma_family()
     hopper = arch is not None and has_wgmma(arch)
     if hopper and (family == "tma" or (family == "auto" and head_dim in TMA_AUTO_HEAD_DIMS)):
-        tm = _hopper_tile("tma", head_dim, stages, q_block_size, kv_block_size)
+        # auto: only the tuned tile measured faster; the fallback tiles run when asked for
+        tm = _hopper_tile("tma", head_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
         if tm is not None and extras:  # per-score work needs the registers the pipelines hold P in
             tm = dataclasses.replace(tm, overlap=False, pingpong=False)
         if tm is not None:

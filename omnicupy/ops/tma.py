@@ -22,6 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .. import arrays
 from ..dispatch.params import FORWARD_TMA
 from ..dispatch.variant import Variant
 from ..errors import OmnicupyError
@@ -111,9 +112,8 @@ def unusable(variant: Variant, tensors: dict[str, Any], dtype: str) -> Optional[
         problem = TensorLayout.of(x, dtype).problem()
         if problem is not None:
             return f"{name} has a {problem}"
-        data = getattr(x, "data", None)
-        ptr = getattr(data, "ptr", None)
-        if isinstance(ptr, int) and ptr % STRIDE_ALIGN:
+        ptr = x.data.ptr if arrays.is_cupy(x) else None  # host arrays: copied aligned before the launch
+        if ptr is not None and ptr % STRIDE_ALIGN:
             return f"{name} starts at an address that is not {STRIDE_ALIGN}-byte aligned"
     if not available():
         return "cuda-bindings is not installed"
