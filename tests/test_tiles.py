@@ -11,7 +11,7 @@ from omnicupy.dispatch.variant import Variant
 SELECTION = [
     (64, None, 128, 128, "sm_90", "auto", "wgmma"),
     (128, 2, 128, 128, "sm_90", "auto", "tma"),         # tma measured faster at D = 128 (NOTES.md §12)
-    (256, None, 128, 128, "sm_90", "auto", "wgmma"),
+    (256, None, 128, 128, "sm_90", "auto", "tma"),
     (128, None, 128, 128, "sm_80", "auto", "sync"),     # wgmma is Hopper-only
     (128, None, 128, 128, "sm_100", "auto", "sync"),    # sm_90a code does not run on later archs
     (128, None, 128, 128, None, "auto", "sync"),        # arch unknown: the portable family
@@ -55,7 +55,7 @@ def test_bad_mma_environment_value(monkeypatch):
 
 
 def test_per_score_work_drops_the_overlapped_pipeline(monkeypatch):
-    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    monkeypatch.setenv("OMNICUPY_MMA", "wgmma")
     assert tiles.WGMMA_TUNED[(256, 2)].overlap
     plain = tiles.select_variant(256, "fp16", None, 128, 128, False, False, arch="sm_90")
     biased = tiles.select_variant(256, "fp16", None, 128, 128, False, False, bias="fp32", arch="sm_90")

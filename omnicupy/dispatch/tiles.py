@@ -77,8 +77,8 @@ WGMMA_FALLBACKS = (Tile(64, 64, 4),)
 #: Hopper's warp-specialized TMA family (sm_90a, templates/attention_fwd_tma.cu.jinja):
 #: (head_dim, stages) -> tile; warps = one per 16 query rows plus the producer warpgroup's 4.
 #: Two consumer warpgroups (128 query rows) with 240 registers each, one CTA per SM. The plain
-#: pipeline: at D = 64 the three pipelines measured equal, at D = 128 plain was fastest on full
-#: attention and equal on causal (NOTES.md §12).
+#: pipeline: at D = 64 the three pipelines measured equal, at D = 128 and 256 plain was fastest on
+#: full attention and within 1 % of the others on causal (NOTES.md §12).
 TMA_TUNED: dict[tuple[int, int], Tile] = {
     (64, 2): Tile(128, 128, 12),
     (128, 2): Tile(128, 128, 12),
@@ -87,8 +87,9 @@ TMA_TUNED: dict[tuple[int, int], Tile] = {
 #: tma tiles for block sizes the tuned one does not divide (q blocks of 64: one consumer warpgroup).
 TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
-#: faster than the wgmma family (NOTES.md §12); elsewhere it is opt-in (OMNICUPY_MMA=tma).
-TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128})
+#: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
+#: at D = 64 it measured 3-5 % slower and stays opt-in (OMNICUPY_MMA=tma).
+TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
 
 #: Stage used when the caller does not choose one.
 DEFAULT_STAGES: dict[int, int] = {32: 2, 64: 2, 96: 2, 128: 2, 256: 2}
