@@ -41,12 +41,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="32,64,96,128,256")
     ap.add_argument("--n", type=int, default=261)
-    ap.add_argument("--families", default="sync,wgmma", help="kernel families (wgmma runs on sm_90 only)")
+    ap.add_argument("--families", default="sync,wgmma", help="kernel families (wgmma and tma run on sm_90 only)")
     args = ap.parse_args(argv)
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
     families = tuple(args.families.split(","))
     if not has_wgmma(omnicupy.jit.device_arch()):
-        families = tuple(f for f in families if f != "wgmma")
+        families = tuple(f for f in families if f not in ("wgmma", "tma"))
     rng = np.random.default_rng(0)
     failures = 0
     for variant in tiles.shipped_variants(head_dims=head_dims, families=families):
@@ -76,7 +76,8 @@ def run_feature_variants(rng, head_dims, n, family) -> int:
     failures = 0
     for hd in head_dims:
         for stages in (1, 2):
-            if family == "wgmma" and (hd, stages) not in tiles.WGMMA_TUNED:
+            if family in ("wgmma", "tma") and (hd, stages) not in {"wgmma": tiles.WGMMA_TUNED,
+                                                                    "tma": tiles.TMA_TUNED}[family]:
                 continue
             q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16", Nkv=n + 5)
             bias = rng.standard_normal((1, 2, n, n + 5)).astype(np.float32)

@@ -52,14 +52,14 @@ def test_pack_round_trip(operation, struct_):
     given = {}
     for p in struct_.params:
         draw = (lambda: float(np.float32(rng.standard_normal()))) if p.kind == "f32" else \
-               (lambda: int(rng.integers(0, 2**31)))
+               (lambda: rng.bytes(128)) if p.kind == "tmap" else (lambda: int(rng.integers(0, 2**31)))
         given[p.name] = [draw() for _ in range(p.count)] if p.count > 1 else draw()
     packed = struct_.pack(given)
     assert packed.nbytes == struct_.size
     assert struct_.unpack(packed) == given
     raw = bytes(packed)
     for p, off in zip(struct_.params, struct_._offsets):  # each value sits at its offset
-        fmt = {"i32": "<i", "u32": "<I", "i64": "<q", "f32": "<f", "ptr": "<Q"}[p.kind]
+        fmt = {"i32": "<i", "u32": "<I", "i64": "<q", "f32": "<f", "ptr": "<Q", "tmap": "<128s"}[p.kind]
         first = given[p.name][0] if p.count > 1 else given[p.name]
         assert struct.unpack_from(fmt, raw, off)[0] == first
 
@@ -97,3 +97,23 @@ def test_block_type_enum_matches_the_kernels():
     header = (env.kernels_dir() / "block_walk.cuh").read_text()
     assert cpp_enum() in header
     assert len(BlockType) == 4
+
+
+def test_opaque_tensor_map_kind_is_128_bytes_aligned_to_64():
+    """A CUtensorMap field: 128 opaque bytes at a 64-byte boundary; the struct aligns to 64."""
+    s = ParamStruct("T", (Param("n", "i32"), Param("m", "tmap"), Param("x", "i64")))
+    assert [(n, off, size) for n, off, size in s.layout()] == [("n", 0, 4), ("m", 64, 128), ("x", 192, 8)]
+    assert s.size == 256  # rounded up to the 64-byte alignment
+    assert "alignof(T) == 64" in s.cpp()
+    blob = bytes(range(128))
+    assert s.unpack(s.pack({"n": 1, "m": blob, "x": 2})) == {"n": 1, "m": blob, "x": 2}
+    assert s.unpack(s.pack({"n": 1, "m": None, "x": 2}))["m"] == bytes(128)
+    with pytest.raises(AbiError, match="128 bytes"):
+        s.pack({"n": 1, "m": b"short", "x": 2})
+
+
+def test_opaque_tensor_map_offsets_match_ptx():
+    s = ParamStruct("T", (Param("n", "i32"), Param("m", "tmap"), Param("x", "i64")))
+    ptx = _ptx(s.probe_kernel("abi_probe"), "abi_probe")
+    assert re.search(r"\.param \.align 64 \.b8 abi_probe_param_0\[256\]", ptx), ptx[:2000]
+    assert "[abi_probe_param_0+64]" in ptx and "[abi_probe_param_0+192]" in ptx

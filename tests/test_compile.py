@@ -1,6 +1,6 @@
 """Render and NVRTC-compile every shipped variant for sm_80 and sm_90 (no GPU needed).
 
-mma.sync variants build for both archs; wgmma variants for sm_90 only, as sm_90a."""
+mma.sync variants build for both archs; wgmma and tma variants for sm_90 only, as sm_90a."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from omnicupy.dispatch import tiles
 from omnicupy.errors import CompileError
 from omnicupy.jit import compiler, render
 from omnicupy.jit.cache import DiskCache
-from omnicupy.dispatch.variant import WGMMA_HEAD_DIMS, Variant
+from omnicupy.dispatch.variant import HOPPER_FAMILIES, WGMMA_HEAD_DIMS, Variant
 
 SHIPPED = tiles.shipped_variants()
 ARCHS = ("sm_80", "sm_90")
@@ -26,10 +26,10 @@ def compile_cache(tmp_path_factory):
 def test_shipped_variant_compiles(variant, arch, compile_cache):
     entry, built = jit.build(variant, arch, cache=compile_cache)
     assert built
-    target = "sm_90a" if variant.family == "wgmma" else arch
+    target = "sm_90a" if variant.family in HOPPER_FAMILIES else arch
     assert entry.size > 1000 and entry.meta["kernel"] == variant.name and entry.meta["arch"] == target
     assert entry.meta["registers"] is not None and entry.meta["registers"] <= 255
-    if variant.family == "wgmma":  # the wgmma tiles were chosen spill-free (NOTES.md §9)
+    if variant.family in HOPPER_FAMILIES:  # the wgmma and tma tiles were chosen spill-free (NOTES.md §9, §12)
         assert entry.meta["spill_bytes"] == 0
     # A second request is a verified cache hit, not a recompile.
     again, built_again = jit.build(variant, arch, cache=compile_cache)

@@ -7,6 +7,11 @@ import pytest
 import omnicupy
 from omnicupy import BlockMask, masks
 from omnicupy.dispatch.plan import Plan
+from omnicupy.ops import tma
+
+#: D = 128 on Hopper plans the tma family where tensor maps can be encoded (cuda-bindings and a
+#: driver), else the wgmma family.
+HOPPER_D128 = "tma" if tma.available() else "wgmma"
 
 
 def qkv(n=300, d=64, heads=2, dtype=np.float16):
@@ -16,7 +21,7 @@ def qkv(n=300, d=64, heads=2, dtype=np.float16):
 
 @pytest.mark.parametrize("arch, head_dim, family", [
     pytest.param("sm_90", 64, "wgmma", id="hopper-d64"),
-    pytest.param("sm_90", 128, "wgmma", id="hopper-d128"),
+    pytest.param("sm_90", 128, HOPPER_D128, id="hopper-d128"),
     pytest.param("sm_90", 96, "sync", id="hopper-d96-no-wgmma-tile"),
     pytest.param("sm_80", 128, "sync", id="ampere"),
 ])
@@ -26,7 +31,7 @@ def test_plan_names_family_tile_and_why(arch, head_dim, family):
     assert plan.variant.family == family and plan.variant.head_dim == head_dim
     assert plan.grid == (-(-300 // plan.variant.br), 2, 1) and plan.block == (plan.variant.threads, 1, 1)
     assert plan.smem_bytes == plan.variant.smem_bytes and plan.kernel in str(plan)
-    assert ("wgmma" if family == "wgmma" else "mma.sync") in plan.reason
+    assert {"wgmma": "wgmma", "tma": "tma", "sync": "mma.sync"}[family] in plan.reason
 
 
 def test_plan_reports_the_launch_order_of_uneven_masks():

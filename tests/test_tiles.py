@@ -10,8 +10,8 @@ from omnicupy.dispatch.variant import Variant
 # (head_dim, stages, q_block, kv_block, arch, OMNICUPY_MMA) -> expected family
 SELECTION = [
     (64, None, 128, 128, "sm_90", "auto", "wgmma"),
-    (128, 2, 128, 128, "sm_90", "auto", "wgmma"),
-    (256, None, 128, 128, "sm_90", "auto", "wgmma"),
+    (128, 2, 128, 128, "sm_90", "auto", "tma"),         # tma measured faster at D = 128 (NOTES.md §12)
+    (256, None, 128, 128, "sm_90", "auto", "tma"),
     (128, None, 128, 128, "sm_80", "auto", "sync"),     # wgmma is Hopper-only
     (128, None, 128, 128, "sm_100", "auto", "sync"),    # sm_90a code does not run on later archs
     (128, None, 128, 128, None, "auto", "sync"),        # arch unknown: the portable family
@@ -22,6 +22,15 @@ SELECTION = [
     (128, None, 64, 64, "sm_90", "auto", "wgmma"),      # the 64x64 fallback tile
     (64, None, 128, 64, "sm_90", "auto", "wgmma"),      # 64-wide kv blocks: the 64x64 fallback
     (128, None, 128, 128, "sm_90", "sync", "sync"),
+    # the tma family: opt-in (OMNICUPY_MMA=tma) where it has not measured faster than wgmma
+    (64, None, 128, 128, "sm_90", "tma", "tma"),
+    (128, 2, 128, 128, "sm_90", "tma", "tma"),
+    (256, None, 128, 128, "sm_90", "tma", "tma"),
+    (128, None, 64, 64, "sm_90", "tma", "tma"),         # one consumer warpgroup: the 64x64 fallback
+    (128, 1, 128, 128, "sm_90", "tma", "sync"),         # no single-buffer kernel in either Hopper family
+    (96, None, 128, 128, "sm_90", "tma", "sync"),       # TMA boxes of 64 columns, as the swizzle
+    (128, None, 128, 128, "sm_80", "tma", "sync"),      # Hopper-only
+    (128, None, 32, 128, "sm_90", "tma", "sync"),
 ]
 
 
@@ -46,7 +55,7 @@ def test_bad_mma_environment_value(monkeypatch):
 
 
 def test_per_score_work_drops_the_overlapped_pipeline(monkeypatch):
-    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    monkeypatch.setenv("OMNICUPY_MMA", "wgmma")
     assert tiles.WGMMA_TUNED[(256, 2)].overlap
     plain = tiles.select_variant(256, "fp16", None, 128, 128, False, False, arch="sm_90")
     biased = tiles.select_variant(256, "fp16", None, 128, 128, False, False, bias="fp32", arch="sm_90")
@@ -91,7 +100,7 @@ def test_bad_tile_spec(spec):
 
 
 def test_tile_options_reach_the_variant(monkeypatch):
-    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    monkeypatch.setenv("OMNICUPY_MMA", "wgmma")
     with tiles.use_tiles({(128, 2): tiles.Tile(128, 128, 8, poly_exp=8)}, family="wgmma"):
         v = tiles.select_variant(128, "fp16", None, 128, 128, True, False, arch="sm_90")
     assert (v.br, v.bc, v.warps, v.poly_exp, v.family) == (128, 128, 8, 8, "wgmma") and "_pe8" in v.name
@@ -101,3 +110,40 @@ def test_tile_options_reach_the_variant(monkeypatch):
 def test_poly_exp_must_divide_the_n8_tiles(poly_exp):
     with pytest.raises(ValueError, match="poly_exp"):
         Variant(64, "fp16", 64, 64, 4, 2, poly_exp=poly_exp)  # bc 64: 8 n8 tiles
+
+
+def test_tma_is_automatic_only_for_measured_head_dims(monkeypatch):
+    monkeypatch.setenv("OMNICUPY_MMA", "auto")
+    for hd in (64, 128, 256):
+        family = tiles.select_variant(hd, "fp16", None, 128, 128, True, False, arch="sm_90").family
+        assert family == ("tma" if hd in tiles.TMA_AUTO_HEAD_DIMS else "wgmma")
+    monkeypatch.setattr(tiles, "TMA_AUTO_HEAD_DIMS", frozenset({128}))
+    assert tiles.select_variant(128, "fp16", None, 128, 128, True, False, arch="sm_90").family == "tma"
+    assert tiles.select_variant(64, "fp16", None, 128, 128, True, False, arch="sm_90").family == "wgmma"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    pytest.param(dict(head_dim=96, br=128, bc=64, warps=12), "head_dim", id="head-dim"),
+    pytest.param(dict(head_dim=64, br=192, bc=64, warps=16), "br must be 64 or 128", id="three-consumers"),
+    pytest.param(dict(head_dim=64, br=128, bc=64, warps=8), "producer warps", id="no-producer"),
+    pytest.param(dict(head_dim=64, br=128, bc=96, warps=12), "bc must be one of", id="bc"),
+    pytest.param(dict(head_dim=64, br=128, bc=64, warps=12, stages=1), "stages 2", id="stages"),
+    pytest.param(dict(head_dim=64, br=64, bc=64, warps=8, overlap=True, pingpong=True), "pingpong",
+                 id="pingpong-one-consumer"),
+    pytest.param(dict(head_dim=64, br=128, bc=64, warps=12, pingpong=True), "pingpong", id="pingpong-no-overlap"),
+])
+def test_bad_tma_variant(kwargs, message):
+    kwargs.setdefault("stages", 2)
+    with pytest.raises(ValueError, match=message):
+        Variant(dtype="fp16", family="tma", **kwargs)
+
+
+def test_tma_variant_name_smem_and_arch():
+    v = Variant(128, "fp16", 128, 128, 12, 2, True, False, family="tma", overlap=True, pingpong=True)
+    assert v.name == "omni_fwd_fp16_hd128_br128_bc128_w12_st2_tmaop_causal" and v.threads == 384
+    # one swizzle atom of slack, Q, two stages of K and V, the mbarriers
+    assert v.smem_bytes == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 128
+    assert v.target_arch("sm_90") == "sm_90a" and v.runs_on("sm_90") and not v.runs_on("sm_80")
+    with pytest.raises(ValueError, match="only sm_90"):
+        v.target_arch("sm_80")
+    assert "FwdTmaParams" in v.template_params()["params_struct"]

@@ -7,9 +7,9 @@ from typing import Any, Optional
 
 from ..dispatch import tiles
 from ..dispatch.arch import has_wgmma
-from ..dispatch.variant import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
+from ..dispatch.variant import HOPPER_FAMILIES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
 
-__all__ = ["OPERATIONS", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "SUPPORTED_STAGES", "Variant", "has_wgmma", "family",
+__all__ = ["HOPPER_FAMILIES", "OPERATIONS", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "SUPPORTED_STAGES", "Variant", "has_wgmma", "family",
            "runs_on", "shipped_variants", "kernel_for"]
 
 

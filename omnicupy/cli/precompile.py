@@ -26,7 +26,7 @@ from ..errors import OmnicupyError
 from ..jit.compiler import arch_number, nvrtc_version, supported_archs
 from .common import (ARCH_SPECIFIC, MAX_DEFAULT_JOBS, NO_GPU_ARCHS, UsageError, arch_list, brief, cache_dir_option,
                      comma_list, default_jobs, human_bytes, log, positive_int, verbose)
-from .catalogue import (OPERATIONS, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant, family, has_wgmma,
+from .catalogue import (HOPPER_FAMILIES, OPERATIONS, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant, family, has_wgmma,
                         runs_on, shipped_variants)
 from .progress import Progress
 
@@ -74,10 +74,10 @@ def check_nvrtc_archs(archs: Sequence[str]) -> None:
 
 def targets(variant: Variant, arch: str) -> Optional[str]:
     """The arch ``variant`` is built as when asked for ``arch``, or None when it is not built for it:
-    wgmma variants exist for sm_90 only (as sm_90a), and sm_90a asks for wgmma variants only."""
+    the Hopper families (wgmma, tma) exist for sm_90 only (as sm_90a), and sm_90a asks for them only."""
     if arch in ARCH_SPECIFIC:
-        return arch if family(variant) == "wgmma" else None
-    if family(variant) == "wgmma" and not has_wgmma(arch):
+        return arch if family(variant) in HOPPER_FAMILIES else None
+    if family(variant) in HOPPER_FAMILIES and not has_wgmma(arch):
         return None
     return variant.target_arch(arch)
 

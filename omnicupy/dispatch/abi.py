@@ -32,7 +32,14 @@ KINDS = {
     "i64": ("long long", "q", 8),
     "f32": ("float", "f", 4),
     "ptr": (None, "Q", 8),  # the C type of a pointer field is given per field
+    # An opaque 128-byte blob aligned to 64 bytes: a TMA tensor map (CUtensorMap), encoded by the
+    # driver on the host and only ever read by TMA instructions. Packed from 128 bytes (or None: zeros).
+    "tmap": ("TmaDesc", "128s", 128),
 }
+#: Alignment of kinds whose alignment is not their size.
+ALIGNMENTS = {"tmap": 64}
+#: The C declaration of opaque kinds, for code that has no kernels/ header (the ABI probe).
+OPAQUE_DECLS = {"tmap": "struct __align__(64) TmaDesc { unsigned long long raw[16]; };"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,10 @@ class Param:
         return KINDS[self.kind][2]
 
     @property
+    def align(self) -> int:
+        return ALIGNMENTS.get(self.kind, self.size)
+
+    @property
     def c_type(self) -> str:
         return self.ctype or KINDS[self.kind][0]
 
@@ -80,12 +91,12 @@ class ParamStruct:
             raise AbiError(f"{self.name}: duplicate field names")
         offsets, at, fmt = [], 0, ["<"]
         for p in self.params:
-            pad = -at % p.size  # each field at a multiple of its own alignment
+            pad = -at % p.align  # each field at a multiple of its own alignment
             fmt.append("x" * pad + KINDS[p.kind][1] * p.count)
             at += pad
             offsets.append(at)
             at += p.size * p.count
-        align = max((p.size for p in self.params), default=1)
+        align = max((p.align for p in self.params), default=1)
         size = at + (-at % align)
         fmt.append("x" * (size - at))
         object.__setattr__(self, "_offsets", tuple(offsets))
@@ -121,7 +132,7 @@ class ParamStruct:
             decl = f"{p.c_type} {p.name}" + (f"[{p.count}]" if p.count > 1 else "") + ";"
             lines.append((f"  {decl.ljust(width + 1)}" + (f"  // {p.doc}" if p.doc else "")).rstrip())
         lines.append("};")
-        align = max(p.size for p in self.params)
+        align = max(p.align for p in self.params)
         lines.append(f"static_assert(sizeof({self.name}) == {self._size} && alignof({self.name}) == {align}, "
                      f'"{self.name}: size or alignment differs from Python\'s");')
         return "\n".join(lines)
@@ -137,9 +148,12 @@ class ParamStruct:
                 cast = "(unsigned long long)" if p.kind == "ptr" else "(unsigned long long)(long long)"
                 if p.kind == "f32":
                     cast = "(unsigned long long)__float_as_uint"
+                if p.kind == "tmap":  # the blob's first word: one 8-byte load at the field's offset
+                    cast, field = "", f"{field}.raw[0]"
                 reads.append(f"  out[{len(reads)}] = {cast}({field});")
+        opaque = [OPAQUE_DECLS[k] for k in dict.fromkeys(p.kind for p in self.params) if k in OPAQUE_DECLS]
         return "\n".join([
-            "typedef unsigned int u32;", "typedef unsigned short u16;", "typedef long long i64;",
+            "typedef unsigned int u32;", "typedef unsigned short u16;", "typedef long long i64;", *opaque,
             self.cpp(),
             f'extern "C" __global__ void {name}(const __grid_constant__ {self.name} p, unsigned long long* out) {{',
             *reads, "}"])
@@ -161,7 +175,7 @@ class ParamStruct:
             if len(items) > p.count:
                 raise AbiError(f"{self.name}.{p.name}: {len(items)} values for {p.count} slots")
             flat.extend(_scalar(p.kind, v) for v in items)
-            flat.extend([0] * (p.count - len(items)))
+            flat.extend([bytes(128) if p.kind == "tmap" else 0] * (p.count - len(items)))
         return flat
 
     def pack(self, given: Mapping[str, Any]) -> np.void:
@@ -190,6 +204,11 @@ def _scalar(kind: str, value: Any):
         data = getattr(value, "data", None)
         ptr = getattr(data, "ptr", None)
         return int(value) if ptr is None else int(ptr)
+    if kind == "tmap":
+        blob = bytes(128) if value is None else bytes(value)
+        if len(blob) != 128:
+            raise AbiError(f"a tensor map is 128 bytes, got {len(blob)}")
+        return blob
     return float(value) if kind == "f32" else int(value)
 
 
@@ -197,4 +216,4 @@ def struct_of(name: str, params: Sequence[Param]) -> ParamStruct:
     return ParamStruct(name, tuple(params))
 
 
-__all__ = ["AbiError", "KINDS", "Param", "ParamStruct", "struct_of"]
+__all__ = ["AbiError", "ALIGNMENTS", "KINDS", "OPAQUE_DECLS", "Param", "ParamStruct", "struct_of"]

@@ -165,7 +165,26 @@ COMBINE = ParamStruct("CombineParams", (
     Param("num_splits", "i32"),
 ))
 
-#: operation -> its struct (Variant.operation keys this).
-STRUCTS = {"forward": FORWARD, "backward": BACKWARD, "decode": DECODE, "combine": COMBINE}
+#: The forward of the TMA family (templates/attention_fwd_tma.cu.jinja): the same fields plus one
+#: TMA tensor map per input (omnicupy/ops/tma.py encodes them). The kernel hands TMA the address of
+#: the map inside the __grid_constant__ parameter, never of a copy.
+FORWARD_TMA = ParamStruct("FwdTmaParams", FORWARD.params + (
+    Param("q_map", "tmap", doc="q as (D, Nq, Hq, B), box (64, br, 1, 1), 128-byte swizzle"),
+    Param("k_map", "tmap", doc="k as (D, Nkv, Hkv, B), box (64, bc, 1, 1)"),
+    Param("v_map", "tmap", doc="v as (D, Nkv, Hkv, B), box (64, bc, 1, 1)"),
+))
 
-__all__ = ["FORWARD", "BACKWARD", "DECODE", "COMBINE", "STRUCTS", "MAX_USER_ARRAYS"]
+#: Every struct by name (tests/test_abi.py proves each one's layout against NVRTC); an operation's
+#: name keys its own struct (Variant.operation).
+STRUCTS = {"forward": FORWARD, "forward_tma": FORWARD_TMA, "backward": BACKWARD, "decode": DECODE, "combine": COMBINE}
+#: (operation, family) whose kernels take a struct other than their operation's.
+FAMILY_STRUCTS = {("forward", "tma"): FORWARD_TMA}
+
+
+def struct_for(operation: str, family: str) -> ParamStruct:
+    """The parameter struct of ``operation``'s kernels in ``family``."""
+    return FAMILY_STRUCTS.get((operation, family)) or STRUCTS[operation]
+
+
+__all__ = ["FORWARD", "FORWARD_TMA", "BACKWARD", "DECODE", "COMBINE", "STRUCTS", "FAMILY_STRUCTS", "struct_for",
+           "MAX_USER_ARRAYS"]

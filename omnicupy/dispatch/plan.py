@@ -57,6 +57,11 @@ class Plan:
 
 def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
     family = env.mma_family()
+    if variant.family == "tma":
+        how = "OMNICUPY_MMA=tma" if family == "tma" else "measured faster than wgmma at this head dim"
+        return (f"tma: the device is sm_90 and {how}; tile {variant.br}x{variant.bc} (TMA producer warpgroup, "
+                f"{variant.br // 64} consumer warpgroups"
+                + (", ping-pong" if variant.pingpong else "") + ") divides the mask's blocks")
     if variant.family == "wgmma":
         return (f"wgmma: the device is sm_90 and the tuned Hopper tile {variant.br}x{variant.bc} divides the mask's "
                 f"blocks" + (" (no P V overlap: per-score extras need its registers)" if extras else ""))
@@ -70,11 +75,12 @@ def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
 
 def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mask: BlockMask,
                  stages: Optional[int], bias: Optional[str], mask_expr: Optional[tuple], score_expr: Optional[tuple],
-                 arch: Optional[str]) -> Plan:
+                 arch: Optional[str], family: Optional[str] = None) -> Plan:
+    """``family`` overrides OMNICUPY_MMA (the forward falls back to "wgmma" where TMA cannot go)."""
     bm = block_mask
     variant = tiles.select_variant(head_dim, dtype, stages, bm.q_block_size, bm.kv_block_size, bm.features.causal,
                                    bm.features.partial, bias=bias, mask_expr=mask_expr, score_expr=score_expr,
-                                   arch=arch)
+                                   arch=arch, family=family)
     order = schedule.launch_order(bm, variant.br)
     return Plan(variant=variant, grid=(cdiv(bm.q_len, variant.br), heads, batch), block=(variant.threads, 1, 1),
                 smem_bytes=variant.smem_bytes, q_tile_order=order, arch=arch,

@@ -22,23 +22,25 @@ class Tile:
     br: int
     bc: int
     warps: int
-    overlap: bool = False  # wgmma only: software-pipelined P V (Variant.overlap)
+    overlap: bool = False  # wgmma and tma: software-pipelined P V (Variant.overlap)
     poly_exp: int = 0  # Variant.poly_exp: every poly_exp-th n8 tile's exp2 on the FMA pipe
+    pingpong: bool = False  # tma only: consumer warpgroups take turns at the GEMMs (Variant.pingpong)
 
     @classmethod
     def parse(cls, spec: str) -> "Tile":
-        """'br:bc:warps' plus optional flags: 'o' overlap, 'pN' poly_exp N (tuning scripts)."""
+        """'br:bc:warps' plus optional flags: 'o' overlap, 'pN' poly_exp N, 'pp' ping-pong (tuning scripts)."""
         parts = spec.split(":")
         flags = parts[3:]
-        poly = [int(f[1:]) for f in flags if f.startswith("p")]
-        unknown = [f for f in flags if f != "o" and not (f.startswith("p") and f[1:].isdigit())]
+        poly = [int(f[1:]) for f in flags if f.startswith("p") and f[1:].isdigit()]
+        unknown = [f for f in flags if f not in ("o", "pp") and not (f.startswith("p") and f[1:].isdigit())]
         if len(parts) < 3 or unknown:
-            raise VariantError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN]")
-        return cls(*map(int, parts[:3]), overlap="o" in flags, poly_exp=poly[0] if poly else 0)
+            raise VariantError(f"tile spec {spec!r}: want br:bc:warps[:o][:pN][:pp]")
+        return cls(*map(int, parts[:3]), overlap="o" in flags, poly_exp=poly[0] if poly else 0,
+                   pingpong="pp" in flags)
 
     def options(self) -> dict:
         """The Variant fields this tile sets beyond br, bc, warps."""
-        return {"overlap": self.overlap, "poly_exp": self.poly_exp}
+        return {"overlap": self.overlap, "poly_exp": self.poly_exp, "pingpong": self.pingpong}
 
 
 #: (head_dim, stages) -> tuned tile. Chosen by benchmarks/tune_tiles.py on the lent H100/H200;
@@ -73,6 +75,23 @@ WGMMA_TUNED: dict[tuple[int, int], Tile] = {
 #: wgmma tiles for block sizes the tuned one does not divide (q blocks must be multiples of 64).
 WGMMA_FALLBACKS = (Tile(64, 64, 4),)
 
+#: Hopper's warp-specialized TMA family (sm_90a, templates/attention_fwd_tma.cu.jinja):
+#: (head_dim, stages) -> tile; warps = one per 16 query rows plus the producer warpgroup's 4.
+#: Two consumer warpgroups (128 query rows) with 240 registers each, one CTA per SM. The plain
+#: pipeline: at D = 64 the three pipelines measured equal, at D = 128 and 256 plain was fastest on
+#: full attention and within 1 % of the others on causal (NOTES.md §12).
+TMA_TUNED: dict[tuple[int, int], Tile] = {
+    (64, 2): Tile(128, 128, 12),
+    (128, 2): Tile(128, 128, 12),
+    (256, 2): Tile(128, 64, 12),
+}
+#: tma tiles for block sizes the tuned one does not divide (q blocks of 64: one consumer warpgroup).
+TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
+#: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
+#: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
+#: at D = 64 it measured 3-5 % slower and stays opt-in (OMNICUPY_MMA=tma).
+TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
+
 #: Stage used when the caller does not choose one.
 DEFAULT_STAGES: dict[int, int] = {32: 2, 64: 2, 96: 2, 128: 2, 256: 2}
 
@@ -82,8 +101,8 @@ FALLBACKS = (Tile(64, 64, 4), Tile(64, 32, 4), Tile(32, 32, 2), Tile(16, 32, 1))
 
 @contextlib.contextmanager
 def use_tiles(overrides: Mapping[tuple[int, int], Tile], family: str = "sync") -> Iterator[None]:
-    """Temporarily replace entries of TUNED (or WGMMA_TUNED), for tuning scripts that time candidates."""
-    table = WGMMA_TUNED if family == "wgmma" else TUNED
+    """Temporarily replace entries of TUNED (or WGMMA_TUNED, TMA_TUNED), for tuning scripts that time candidates."""
+    table = _TABLES[family]
     saved = dict(table)
     table.update(overrides)
     try:
@@ -104,11 +123,13 @@ def select_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: in
     )
 
 
-def _wgmma_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: int) -> Optional[Tile]:
-    tuned = WGMMA_TUNED.get((head_dim, stages))
+def _hopper_tile(family: str, head_dim: int, stages: int, q_block_size: int, kv_block_size: int,
+                 fallbacks: bool = True) -> Optional[Tile]:
+    tuned = _TABLES[family].get((head_dim, stages))
     if tuned is None:
         return None
-    for tile in (tuned, *WGMMA_FALLBACKS):
+    others = (TMA_FALLBACKS if family == "tma" else WGMMA_FALLBACKS) if fallbacks else ()
+    for tile in (tuned, *others):
         if q_block_size % tile.br == 0 and kv_block_size % tile.bc == 0:
             return tile
     return None
@@ -116,9 +137,13 @@ def _wgmma_tile(head_dim: int, stages: int, q_block_size: int, kv_block_size: in
 
 def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_size: int, kv_block_size: int,
                    causal: bool, partial: bool, bias: Optional[str] = None, mask_expr: Optional[tuple] = None,
-                   score_expr: Optional[tuple] = None, arch: Optional[str] = None) -> Variant:
+                   score_expr: Optional[tuple] = None, arch: Optional[str] = None,
+                   family: Optional[str] = None) -> Variant:
     """``arch`` is the device's (``jit.device_arch()``); on sm_90 the wgmma family is used wherever
-    it has a tile for the head dim and block sizes, unless OMNICUPY_MMA says otherwise."""
+    it has a tile for the head dim and block sizes, unless OMNICUPY_MMA says otherwise. The tma
+    family is used on sm_90 with OMNICUPY_MMA=tma, or by default for TMA_AUTO_HEAD_DIMS; where it
+    has no tile the wgmma family serves (and ops/tma.py falls back to it for inputs TMA cannot
+    address)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ArgumentError(f"q: head_dim {head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
     if stages is None:
@@ -128,9 +153,18 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     # A fused mask expression keeps the tile of the stored-bits kernel, so that the two give
     # bit-identical outputs; per-score work (bias, score modifier) needs the leaner feature tiles.
     extras = bias is not None or score_expr is not None
-    family = env.mma_family()
-    if family != "sync" and arch is not None and has_wgmma(arch):
-        wg = _wgmma_tile(head_dim, stages, q_block_size, kv_block_size)
+    family = family or env.mma_family()
+    hopper = arch is not None and has_wgmma(arch)
+    if hopper and (family == "tma" or (family == "auto" and head_dim in TMA_AUTO_HEAD_DIMS)):
+        # auto: only the tuned tile measured faster; the fallback tiles run when asked for
+        tm = _hopper_tile("tma", head_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
+        if tm is not None and extras:  # per-score work needs the registers the pipelines hold P in
+            tm = dataclasses.replace(tm, overlap=False, pingpong=False)
+        if tm is not None:
+            return Variant(head_dim, dtype, tm.br, tm.bc, tm.warps, stages, causal, partial, bias, mask_expr,
+                           score_expr, family="tma", **tm.options())
+    if family != "sync" and hopper:
+        wg = _hopper_tile("wgmma", head_dim, stages, q_block_size, kv_block_size)
         if wg is not None and extras:
             # per-score work needs the registers the overlapped pipeline holds P in
             wg = dataclasses.replace(wg, overlap=False)
@@ -148,13 +182,13 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
 
 
 def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, stages=(1, 2),
-                     families=("sync", "wgmma")) -> list[Variant]:
+                     families=("sync", "wgmma", "tma")) -> list[Variant]:
     """Every tuned variant with every mask-feature combination: what CI compiles and the CLI precompiles.
 
-    wgmma variants build for sm_90 only (as sm_90a); see Variant.target_arch."""
+    wgmma and tma variants build for sm_90 only (as sm_90a); see Variant.target_arch."""
     out = []
     for family in families:
-        table = WGMMA_TUNED if family == "wgmma" else TUNED
+        table = _TABLES[family]
         for hd in head_dims:
             for dt in dtypes:
                 for st in stages:
@@ -166,6 +200,10 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                             out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, family=family,
                                                **tile.options()))
     return out
+
+
+#: family -> its tuned table.
+_TABLES = {"sync": TUNED, "wgmma": WGMMA_TUNED, "tma": TMA_TUNED}
 
 
 # ---------------------------------------------------------------- backward (mma.sync)

@@ -2,7 +2,8 @@
 
 A Variant names its operation (``forward`` today; backward, decode and combine take their slots in
 OPERATIONS), its family (the matrix instruction it is built on: ``sync`` for mma.sync, sm_80+;
-``wgmma`` for Hopper's warpgroup MMA, sm_90a), its tile and its features. Everything a template
+``wgmma`` for Hopper's warpgroup MMA, sm_90a; ``tma``: wgmma fed by a TMA producer warpgroup,
+sm_90a), its tile and its features. Everything a template
 renders comes from ``template_params()``, including the operation's parameter struct
 (``dispatch/params.py``) and the block-type enum (``mask/types.py``), so each is declared once.
 """
@@ -29,12 +30,15 @@ BIAS_DTYPES = ("fp16", "bf16", "fp32")
 TEMPLATES = {
     ("forward", "sync"): "attention_fwd.cu.jinja",
     ("forward", "wgmma"): "attention_fwd_sm90.cu.jinja",
+    ("forward", "tma"): "attention_fwd_tma.cu.jinja",
     ("backward", "sync"): "attention_bwd.cu.jinja",
     ("decode", "sync"): "attention_decode.cu.jinja",
     ("combine", "sync"): "attention_decode_combine.cu.jinja",
 }
 OPERATIONS = tuple(dict.fromkeys(op for op, _ in TEMPLATES))
-FAMILIES = ("sync", "wgmma")
+FAMILIES = ("sync", "wgmma", "tma")
+#: Families built on wgmma (sm_90a only).
+HOPPER_FAMILIES = ("wgmma", "tma")
 #: Kernel-name prefix per operation.
 PREFIXES = {"forward": "omni_fwd", "backward": "omni_bwd", "decode": "omni_decode", "combine": "omni_combine"}
 #: Split-KV decode (ops/decode.py, kernels/decode_split.cuh): br is the m tile (packed query rows:
@@ -49,6 +53,10 @@ DECODE_RING_BYTES = 16
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
+#: tma family: the producer warpgroup's warps (one thread issues the loads), and the shared memory
+#: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
+TMA_PRODUCER_WARPS = 4
+TMA_BARRIER_BYTES = 128
 
 
 @dataclass(frozen=True, order=True)
@@ -73,9 +81,10 @@ class Variant:
     mask_expr: Optional[tuple] = None
     #: expressions.CudaExpr.key of a score modifier applied to every score.
     score_expr: Optional[tuple] = None
-    #: "sync" (mma.sync, sm_80+) or "wgmma" (Hopper warpgroup MMA, sm_90a only).
+    #: "sync" (mma.sync, sm_80+), "wgmma" (Hopper warpgroup MMA, sm_90a only) or "tma" (wgmma
+    #: consumers fed by a TMA producer warpgroup, sm_90a only).
     family: str = "sync"
-    #: wgmma only: run P V of the previous tile behind S of this one (software pipeline).
+    #: wgmma and tma: run P V of the previous tile behind S of this one (software pipeline).
     overlap: bool = False
     #: Every poly_exp-th n8 tile of S takes its exp2 on the FMA pipe instead of MUFU (0: never).
     poly_exp: int = 0
@@ -84,6 +93,9 @@ class Variant:
     #: backward only: the CUDA text of d(score_expr)/d(score) (score_mods.ScoreMod.cuda_grad), over
     #: the score expression's names; score_mods.UNIT_GRAD for additive modifiers.
     score_grad: Optional[str] = None
+    #: tma only, with overlap and two consumer warpgroups: they take turns issuing their GEMMs
+    #: (named barriers), so that one's softmax runs under the other's GEMMs.
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.bias not in (None, *BIAS_DTYPES):
@@ -100,7 +112,8 @@ class Variant:
             # The warps split the rows of the tile they own: q rows in the forward, kv rows
             # (bc) in the backward, whose CTA owns a kv tile and walks q tiles of br rows.
             rows, label = (self.bc, "bc") if self.operation == "backward" else (self.br, "br")
-            if self.warps < 1 or rows % (16 * self.warps):
+            # tma: warps counts the producer warpgroup too; its own check below
+            if self.warps < 1 or (self.family != "tma" and rows % (16 * self.warps)):
                 raise VariantError(f"{label}={rows} must be a multiple of 16 * warps ({self.warps})")
             if self.operation == "backward" and self.br % 16:
                 raise VariantError(f"backward: br={self.br} must be a multiple of 16")
@@ -109,8 +122,10 @@ class Variant:
         if (self.operation, self.family) not in TEMPLATES:
             raise VariantError(f"no {self.family!r} kernel for operation {self.operation!r} "
                              f"(have {sorted(TEMPLATES)})")
-        if self.overlap and self.family != "wgmma":
-            raise VariantError("overlap is a wgmma pipeline option")
+        if self.overlap and self.family not in HOPPER_FAMILIES:
+            raise VariantError("overlap is a wgmma/tma pipeline option")
+        if self.pingpong and (self.family != "tma" or not self.overlap or self.br != 128):
+            raise VariantError("pingpong is a tma option that needs overlap and two consumer warpgroups (br=128)")
         if self.poly_exp < 0 or (self.poly_exp and (self.bc // 8) % self.poly_exp):
             raise VariantError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
         if self.family == "wgmma":
@@ -121,6 +136,17 @@ class Variant:
                                  f"(warps={self.br // 16}), got warps={self.warps}")
             if self.bc not in WGMMA_BC:
                 raise VariantError(f"wgmma: bc must be one of {WGMMA_BC}, got {self.bc}")
+        if self.family == "tma":
+            consumers = self.br // 16
+            if self.head_dim not in WGMMA_HEAD_DIMS:
+                raise VariantError(f"the tma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
+            if self.br not in (64, 128) or self.warps != consumers + TMA_PRODUCER_WARPS:
+                raise VariantError(f"tma: br must be 64 or 128 (one consumer warpgroup per 64 rows) and warps the "
+                                   f"consumers' {consumers} plus {TMA_PRODUCER_WARPS} producer warps, got br={self.br}, "
+                                   f"warps={self.warps}")
+            if self.bc not in WGMMA_BC or self.stages != 2:
+                raise VariantError(f"tma: bc must be one of {WGMMA_BC} and stages 2, got bc={self.bc}, "
+                                   f"stages={self.stages}")
 
     def _check_decode(self) -> None:
         """decode: br query rows per m tile (16/32/64), 32-row kv tiles per warp, a 2-4 deep ring;
@@ -155,6 +181,8 @@ class Variant:
             if key is not None:
                 features += f"_{label}{hashlib.sha256(repr(key).encode()).hexdigest()[:8]}"
         family = ("_wgmma" + ("o" if self.overlap else "")) if self.family == "wgmma" else ""
+        if self.family == "tma":
+            family = "_tma" + ("o" if self.overlap else "") + ("p" if self.pingpong else "")
         if self.poly_exp:
             family += f"_pe{self.poly_exp}"
         return (
@@ -172,10 +200,12 @@ class Variant:
 
         mma.sync: padded rows; kStage 1 shares one buffer between K and V, kStage 2 has one of each.
         wgmma: unpadded swizzled rows, ``stages`` buffers of K and V, plus one swizzle atom of slack
-        to align the tiles.
+        to align the tiles. tma: the same plus the ring's mbarriers.
 
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
         Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows)."""
+        if self.family == "tma":
+            return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2
@@ -200,7 +230,7 @@ class Variant:
 
     def target_arch(self, arch: str) -> str:
         """The arch to compile for on a device of ``arch``: wgmma needs sm_90a, and only sm_90 has it."""
-        if self.family != "wgmma":
+        if self.family not in HOPPER_FAMILIES:
             return arch
         if not has_wgmma(arch):
             raise VariantError(f"{self.name} uses wgmma, which only sm_90 (Hopper) has; cannot build for {arch}")
@@ -209,7 +239,7 @@ class Variant:
     def runs_on(self, arch: str) -> bool:
         """Whether this kernel can run on ``arch``: wgmma needs sm_90, and the shared memory must fit
         the arch's opt-in limit per block."""
-        return (self.family != "wgmma" or has_wgmma(arch)) and self.smem_bytes <= smem_limit(arch)
+        return (self.family not in HOPPER_FAMILIES or has_wgmma(arch)) and self.smem_bytes <= smem_limit(arch)
 
     def template_params(self) -> dict:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -220,8 +250,8 @@ class Variant:
         values["score_grad"] = self.score_grad
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).
         values["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
-        values["params_struct"] = params.STRUCTS[self.operation].cpp()
-        values["m_tiles"] = 1 if self.family == "wgmma" else self.br // self.warps // 16
+        values["params_struct"] = params.struct_for(self.operation, self.family).cpp()
+        values["m_tiles"] = 1 if self.family in HOPPER_FAMILIES else self.br // self.warps // 16
         values["smem_pad"] = SMEM_PAD_ELEMS
         return values
 

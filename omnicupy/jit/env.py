@@ -10,7 +10,7 @@ info`` prints it). A bad value raises ``ArgumentError`` naming the variable when
 | OMNICUPY_KEEP_SOURCE | 0 | keep each rendered .cu beside its cubin |
 | OMNICUPY_LINEINFO | 0 | compile with -lineinfo (for ncu / compute-sanitizer source lines) |
 | OMNICUPY_VERBOSE | 0 | log compiles, cache hits and cache problems (logger ``omnicupy`` at DEBUG, to stderr) |
-| OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma |
+| OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma, tma (sm_90: TMA producer + wgmma consumers) |
 | OMNICUPY_SCHEDULE | lpt | q tile launch order: lpt (heaviest first, from the block mask), natural (last tile first) |
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def verbose() -> bool:
     return env_flag("OMNICUPY_VERBOSE")
 
 
-MMA_CHOICES = ("auto", "sync", "wgmma")
+MMA_CHOICES = ("auto", "sync", "wgmma", "tma")
 
 
 def mma_family() -> str:

@@ -7,6 +7,7 @@ check runs before any launch and raises an ArgumentError (or MaskError) naming t
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -15,11 +16,11 @@ import numpy as np
 
 from .. import arrays, jit
 from ..dispatch.arch import current_arch
-from ..dispatch.params import FORWARD
+from ..dispatch.params import struct_for
 from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError, OmnicupyError
 from ..mask import BlockMask, expressions
-from . import decode, recall
+from . import decode, recall, tma
 from .inputs import (Bias, Inputs, aligned, check_bias, check_bool, check_device, check_expressions, check_lse_buffer,
                      check_mask_matches, check_out, check_qkv, check_scale, check_score_mod, check_stages, device_out,
                      on_device, require_gpu)
@@ -63,11 +64,18 @@ class Extras:
         return self.bias is not None or self.score_expr is not None
 
 
-def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str]) -> Plan:
-    return plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
+def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str],
+              family: Optional[str] = None) -> Plan:
+    plan = plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
                         stages=stages, bias=extras.bias.dtype if extras.bias else None,
                         mask_expr=extras.mask_expr.key if extras.mask_expr else None,
-                        score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch)
+                        score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch, family=family)
+    if plan.variant.family == "tma":  # inputs TMA cannot address run on the wgmma family (ops/tma.py)
+        why = tma.unusable(plan.variant, {"q": inp.q, "k": inp.k, "v": inp.v}, inp.dtype)
+        if why is not None:
+            logging.getLogger("omnicupy").info(f"omnicupy: tma family not used ({why}); wgmma instead")
+            return make_plan(inp, bm, stages, extras, arch, family="wgmma")
+    return plan
 
 
 def _element_strides(x: Any, prefix: str) -> dict[str, int]:
@@ -124,8 +132,12 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
-    kernel(plan.grid, plan.block, (FORWARD.pack(fields),), shared_mem=plan.smem_bytes)
-    return recall.Recipe.make(kernel, plan, fields)
+    params, maps = struct_for(plan.operation, plan.variant.family), None
+    if plan.variant.family == "tma":  # TMA tensor maps of q, k, v (ops/tma.py; cached per buffer)
+        maps = tma.MapWriter.make(plan.variant, inp.q, inp.k, inp.v, inp.dtype)
+        fields.update(maps.fields(inp.q.data.ptr, inp.k.data.ptr, inp.v.data.ptr))
+    kernel(plan.grid, plan.block, (params.pack(fields),), shared_mem=plan.smem_bytes)
+    return recall.Recipe.make(kernel, plan, fields, params, maps)
 
 
 def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask) -> tuple[Inputs, BlockMask, Extras]:

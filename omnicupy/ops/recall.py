@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..dispatch.abi import ParamStruct
 from ..dispatch.params import FORWARD
 from ..dispatch.plan import Plan
 from ..mask import BlockMask
@@ -42,19 +43,25 @@ class Recipe:
     template: bytes
     slots: tuple[int, ...]  # byte offsets of q, k, v, o, lse in the struct
     keep: tuple  # what the struct points at (metadata, bias, expression tables), kept alive
+    params: ParamStruct = FORWARD
+    #: tma family: writes the tensor maps of the call's q, k, v pointers (ops/tma.MapWriter)
+    maps: Optional[Callable[[bytearray, tuple], None]] = None
 
     @classmethod
-    def make(cls, kernel, plan: Plan, fields: dict) -> "Recipe":
+    def make(cls, kernel, plan: Plan, fields: dict, params: ParamStruct = FORWARD, maps=None) -> "Recipe":
         fixed = dict(fields, **{name: None for name in POINTER_FIELDS})
         keep = tuple(v for k, v in fields.items() if k not in POINTER_FIELDS and hasattr(v, "data"))
-        return cls(kernel, plan, bytes(FORWARD.pack(fixed)), tuple(FORWARD.offset(n) for n in POINTER_FIELDS), keep)
+        return cls(kernel, plan, bytes(params.pack(fixed)), tuple(params.offset(n) for n in POINTER_FIELDS), keep,
+                   params, maps)
 
     def launch(self, *pointers: int) -> None:
         buf = bytearray(self.template)
         for offset, ptr in zip(self.slots, pointers):
             _POINTER.pack_into(buf, offset, ptr)
+        if self.maps is not None:
+            self.maps(buf, pointers)
         plan = self.plan
-        self.kernel(plan.grid, plan.block, (np.frombuffer(buf, dtype=FORWARD.record_dtype)[0],),
+        self.kernel(plan.grid, plan.block, (np.frombuffer(buf, dtype=self.params.record_dtype)[0],),
                     shared_mem=plan.smem_bytes)
 
 
