@@ -22,7 +22,7 @@ __all__ = [
     "ArgumentError", "CompileError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 
-_LAZY_SUBMODULES = {"masks", "builders", "cli", "jit", "tiles", "score_mods"}
+_LAZY_SUBMODULES = {"masks", "builders", "cli", "jit", "tiles", "score_mods", "distributed"}
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ import pytest
 
 from omnicupy import BlockMask, BlockType, builders, masks, reference
 from omnicupy.distributed import comm as comm_module
-from omnicupy.distributed import errors, merge, planner, sharding, steps, submask
+from omnicupy.distributed import errors, merge, model, planner, sharding, steps, submask
 from omnicupy.distributed import sharded_attention
 from omnicupy.errors import ArgumentError, MaskError
 
@@ -536,3 +536,48 @@ def test_init_rejects_other_objects(monkeypatch):
     monkeypatch.setattr(comm_module, "nccl_module", lambda: FakeNccl)
     with pytest.raises(ArgumentError, match="comm must be"):
         comm_module.init(comm="not a communicator")
+
+
+# ------------------------------------------------------------------------------- the model
+def test_exchange_work_splits_each_ranks_work():
+    n = 131072
+    bm = builders.from_mask_mod(issue_mask("interleaved", n), None, None, n, n, xp=np)
+    plan = planner.plan(bm, 8)
+    np.testing.assert_allclose(plan.exchange_work.sum(axis=1), plan.rank_work)
+    for r in range(8):  # a rank computes against another's keys exactly when it receives some
+        for s in range(1, 8):
+            src = (r - s) % 8
+            assert (plan.exchange_work[r, src] > 0) == (plan.recv_units(r, s).size > 0), (r, s)
+
+
+def test_model_of_one_rank_is_the_single_gpu():
+    plan = planner.plan(BlockMask.causal(8192, 8192), 1)
+    p = model.predict(plan)
+    assert p.comm_ms == 0 and p.hidden == 1.0
+    assert abs(p.distributed_ms - p.single_ms) < 1e-9
+
+
+def test_model_two_gpus_causal_and_sliding_window():
+    n = 131072
+    causal = model.predict(planner.plan(BlockMask.causal(n, n), 2))
+    assert 1.7 < causal.speedup <= 2.0 and causal.hidden > 0.9
+    bm = builders.from_mask_mod(masks.sliding_window(4096), None, None, n, n, xp=np)
+    window = model.predict(planner.plan(bm, 2), backward=True)
+    assert window.comm_ms < 0.05 * window.compute_ms
+
+
+def test_model_efficiency_falls_when_the_network_carries_the_ring():
+    rows = model.causal_table(lengths=(262144,), worlds=(8, 16, 32))
+    eff = [r["forward"].efficiency for r in rows]
+    assert eff[0] > 0.9 and eff[0] >= eff[1] >= eff[2]
+    faster = model.calibrated(model.H200_NVLINK_IB, nvlink_gbs=400.0)
+    assert faster.nvlink_gbs == 400.0 and faster.network_gbs == model.H200_NVLINK_IB.network_gbs
+
+
+def test_distributed_imports_no_torch_and_no_nccl():
+    import subprocess
+    import sys
+
+    code = ("import sys, omnicupy.distributed; "
+            "assert 'torch' not in sys.modules and 'cupy_backends.cuda.libs.nccl' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

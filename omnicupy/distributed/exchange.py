@@ -9,8 +9,9 @@ Streams. The caller's current stream is the compute stream; transfers (and the c
 additions that belong to them) run on ``comm.stream``. Dependencies are events, never host waits:
 - the transfer stream starts after the inputs are ready (an event recorded at construction);
 - the compute of step s waits for step s's receive (``kv``);
-- two receive slots alternate: the receive of step s + 2 waits until the compute of step s has
-  read its slot (``done``); the same for the two slots the backward's partials are written to;
+- two receive slots alternate (one when a single message arrives): the receive of step s + 2
+  waits until the compute of step s has read its slot (``done``); the same for the slots the
+  backward's partials are written to;
 - ``finish`` makes the compute stream wait for every transfer, so buffers are freed (to the
   compute stream's memory pool, where they were allocated) only after their last use.
 
@@ -51,6 +52,9 @@ class KVExchange:
         self._rows = (batch, kv_heads)
         self._head_dim = head_dim
         dtype = k.dtype
+        # Two slots let step s + 1 arrive while step s computes; one is enough for one message.
+        receives = sum(1 for step in prog.remote_steps if step.recv is not None)
+        self._slots = 2 if receives > 1 else 1
         # Every buffer is allocated here, on the compute stream, before the start event below.
         self.gathered = None
         self.recv_slots: list = []
@@ -60,7 +64,7 @@ class KVExchange:
             self.gathered = cp.empty((prog.world_size, 2, batch, kv_heads, longest, head_dim), dtype=dtype)
         else:
             if prog.max_recv_len:
-                self.recv_slots = [cp.empty(self._elements(prog.max_recv_len), dtype=dtype) for _ in range(2)]
+                self.recv_slots = [cp.empty(self._elements(prog.max_recv_len), dtype=dtype) for _ in range(self._slots)]
             if prog.max_packed_send_len:
                 self.send_buffer = cp.empty(self._elements(prog.max_packed_send_len), dtype=dtype)
         self.returns = returns
@@ -68,7 +72,7 @@ class KVExchange:
             shape = tuple(k.shape)
             self.dk = cp.zeros(shape, dtype=np.float32)  # returned partials, summed on the transfer stream
             self.dv = cp.zeros(shape, dtype=np.float32)
-            self.return_slots = ([cp.empty(self._elements(prog.max_recv_len), dtype=dtype) for _ in range(2)]
+            self.return_slots = ([cp.empty(self._elements(prog.max_recv_len), dtype=dtype) for _ in range(self._slots)]
                                  if prog.max_recv_len else [])
             self.returned = (cp.empty(self._elements(prog.max_send_len), dtype=dtype) if prog.max_send_len else None)
         self._slot_read: list[Optional[Any]] = [None, None]  # compute finished reading receive slot i
@@ -88,6 +92,9 @@ class KVExchange:
 
     def _step(self, s: int):
         return self.prog.steps[s]
+
+    def _slot(self, s: int) -> int:
+        return s % self._slots
 
     # --------------------------------------------------------------- K/V flow
     def post(self, s: int) -> None:
@@ -111,7 +118,7 @@ class KVExchange:
                         message[1, :, :, at:at + n] = self.v[:, :, own:own + n]
                 sends = [(message[0], step.dst), (message[1], step.dst)]
         if step.recv is not None:
-            slot = s % 2
+            slot = self._slot(s)
             if self._slot_read[slot] is not None:
                 self.stream.wait_event(self._slot_read[slot])
                 self._slot_read[slot] = None
@@ -139,19 +146,19 @@ class KVExchange:
             n = step.recv.length
             return self.gathered[step.src, 0, :, :, :n], self.gathered[step.src, 1, :, :, :n]
         self.compute.wait_event(self._arrived.pop(s))
-        message = self._pair(self.recv_slots[s % 2], step.recv.length)
+        message = self._pair(self.recv_slots[self._slot(s)], step.recv.length)
         return message[0], message[1]
 
     def done(self, s: int) -> None:
         """The compute stream has enqueued everything that reads step s's K/V."""
         if self.gathered is None:
-            self._slot_read[s % 2] = _event(self.compute)
+            self._slot_read[self._slot(s)] = _event(self.compute)
 
     # ----------------------------------------------------------- dK/dV return
     def return_buffers(self, s: int) -> tuple[Any, Any]:
         """Where the compute stream writes the dK, dV partials of step s's message ``[B, Hkv, n, D]``
         (contiguous); it first waits until the slot's previous return has been sent."""
-        slot = s % 2
+        slot = self._slot(s)
         if self._return_sent[slot] is not None:
             self.compute.wait_event(self._return_sent[slot])
             self._return_sent[slot] = None
@@ -166,14 +173,14 @@ class KVExchange:
         sends, recvs = [], []
         if step.recv is not None:
             self.stream.wait_event(_event(self.compute))
-            partial = self._pair(self.return_slots[s % 2], step.recv.length)
+            partial = self._pair(self.return_slots[self._slot(s)], step.recv.length)
             sends = [(partial[0], step.src), (partial[1], step.src)]
         if step.send is not None:
             back = self._pair(self.returned, step.send.length)
             recvs = [(back[0], step.dst), (back[1], step.dst)]
         self.comm.exchange(sends, recvs, self.stream)
         if sends:
-            self._return_sent[s % 2] = _event(self.stream)
+            self._return_sent[self._slot(s)] = _event(self.stream)
         if recvs:
             with self.stream:
                 for own, at, n in step.send.runs:

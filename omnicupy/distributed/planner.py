@@ -62,12 +62,13 @@ class MaskWork:
     """The work of a BlockMask at unit granularity, summed over the mask's batch and head dims.
 
     ``q_unit``/``kv_unit``: one entry per distinct (q unit, kv unit) pair with a listed, non-MASKED
-    block; ``unit_work``: weighted block count of each q unit's rows."""
+    block, ``pair_work`` its weighted block count; ``unit_work``: the same per q unit."""
 
     seq_len: int
     unit: int
     q_unit: np.ndarray  # [E] int64
     kv_unit: np.ndarray  # [E] int64
+    pair_work: np.ndarray  # [E] float64
     unit_work: np.ndarray  # [U] float64
     unit_tokens: np.ndarray  # [U] int64
 
@@ -86,6 +87,7 @@ class Candidate:
     chunk_owner: np.ndarray  # [M] rank of each chunk
     unit_owner: np.ndarray  # [U]
     rank_work: np.ndarray  # [W]
+    exchange_work: np.ndarray  # [W, W]: work of rank r's queries against rank s's keys
     need: np.ndarray  # [W, U] bool
     tokens_sent: np.ndarray  # [W] forward tokens of K/V each rank sends (ring schedule)
 
@@ -116,6 +118,7 @@ class Plan:
     unit_tokens: np.ndarray
     unit_work: np.ndarray
     rank_work: np.ndarray
+    exchange_work: np.ndarray  # [W, W]: block work of rank r's queries against rank s's keys
     need: np.ndarray
     max_imbalance: float
     candidates: tuple = field(repr=False, compare=False, default=())
@@ -314,10 +317,12 @@ def mask_work(bm: BlockMask, weights: Optional[Mapping] = None) -> MaskWork:
     q_unit = qb.astype(np.int64) * qbs // unit
     kv_unit = kvb * kbs // unit
     unit_work = np.bincount(q_unit, weights=table[kind], minlength=num_units) * scale
-    pairs = np.unique(q_unit * num_units + kv_unit)
+    pairs, which = np.unique(q_unit * num_units + kv_unit, return_inverse=True)
+    pair_work = np.bincount(which.reshape(-1), weights=table[kind], minlength=len(pairs)) * scale
     unit_tokens = np.full(num_units, unit, dtype=np.int64)
     unit_tokens[-1] = n - unit * (num_units - 1)
-    return MaskWork(n, unit, pairs // num_units, pairs % num_units, unit_work.astype(np.float64), unit_tokens)
+    return MaskWork(n, unit, pairs // num_units, pairs % num_units, pair_work.astype(np.float64),
+                    unit_work.astype(np.float64), unit_tokens)
 
 
 # ---------------------------------------------------------------------------- assignments
@@ -394,6 +399,8 @@ def _candidate(mw: MaskWork, world_size: int, strategy: str, chunks_per_rank: in
         owner = lpt(chunk_work, world_size)
     unit_owner = owner[chunk_of_unit]
     rank_work = np.bincount(unit_owner, weights=mw.unit_work, minlength=world_size)
+    exchange_work = np.bincount(unit_owner[mw.q_unit] * world_size + unit_owner[mw.kv_unit], weights=mw.pair_work,
+                                minlength=world_size * world_size).reshape(world_size, world_size)
     need = np.zeros(world_size * mw.num_units, dtype=bool)
     need[unit_owner[mw.q_unit] * mw.num_units + mw.kv_unit] = True
     need = need.reshape(world_size, mw.num_units)
@@ -401,7 +408,7 @@ def _candidate(mw: MaskWork, world_size: int, strategy: str, chunks_per_rank: in
     remote = need & (unit_owner[None, :] != np.arange(world_size)[:, None])
     sent = np.bincount(unit_owner, weights=(remote.sum(axis=0) * mw.unit_tokens), minlength=world_size)
     return Candidate(strategy, chunks_per_rank, chunk_of_unit, owner.astype(np.int64), unit_owner.astype(np.int64),
-                     rank_work, need, sent.astype(np.int64))
+                     rank_work, exchange_work, need, sent.astype(np.int64))
 
 
 def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str],
@@ -457,7 +464,8 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
         schedule = "allgather" if gather else "ring"
     result = Plan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
                   best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
-                  mw.unit_tokens, mw.unit_work, best.rank_work, best.need, max_imbalance, tuple(found), block_mask)
+                  mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, max_imbalance,
+                  tuple(found), block_mask)
     return result
 
 
