@@ -10,7 +10,7 @@ omnicupy.attention_backward exists, against the single-GPU call; a failing case 
 then CUDA-event timings, median of --repeats, each the slowest rank's:
 - 1 GPU: omnicupy.attention (and attention_backward) on the whole sequence, on every rank's GPU at once;
 - distributed: distributed.attention (and attention_backward) on the shards;
-- compute only: the same kernels and merges with the messages already in place (no transfer);
+- compute only: the distributed call's own step loop with the messages already in place (no transfer);
 - transfers only: the same NCCL transfers with no compute;
 hidden = (compute + transfers - distributed) / transfers, clipped to [0, 1]. The scaling model
 (omnicupy/distributed/model.py), calibrated with the measured one-GPU rate and link bandwidth,
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from omnicupy import arrays  # noqa: E402  (CuPy through it: nothing here imports CuPy before a GPU is known)
 
 MASKS = ("causal", "document", "sliding_window_4096", "interleaved")
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}
@@ -63,7 +64,7 @@ class Timer:
         self.comm, self.repeats = comm, repeats
 
     def __call__(self, fn) -> float:
-        import cupy as cp
+        cp = arrays.cupy_module()
 
         fn()
         stream = cp.cuda.get_current_stream()
@@ -81,28 +82,35 @@ class Timer:
         return statistics.median(times)
 
 
-def compute_only(prog, q, k, v, messages, *, backward_inputs=None):
-    """The distributed call's kernels and merges with every message already in place."""
-    import cupy as cp
+class Resident:
+    """Stands in for KVExchange with every message already in place: the distributed call's own
+    step loop (sharded_attention.forward_steps / backward_steps) with no transfer at all."""
 
-    import omnicupy
-    from omnicupy.distributed.merge import PartialSum
+    def __init__(self, prog, messages: dict, returns: dict, returned_shape) -> None:
+        cp = arrays.cupy_module()
 
-    if backward_inputs is None:
-        parts = PartialSum()
-        for step in prog.steps:
-            if step.mask is not None:
-                kk, vv = (k, v) if step.step == 0 else messages[step.step]
-                parts.add(*omnicupy.attention(q, kk, vv, step.mask, return_lse=True))
-        return parts.result(q.dtype, tuple(q.shape), tuple(q.shape[:3]), cp)
-    dout, out, lse = backward_inputs
-    dq = None
-    for step in prog.steps:
-        if step.mask is not None:
-            kk, vv = (k, v) if step.step == 0 else messages[step.step]
-            g = omnicupy.attention_backward(dout, q, kk, vv, out, lse, step.mask)[0].astype(cp.float32)
-            dq = g if dq is None else dq + g
-    return dq
+        self.messages, self.returns = messages, returns
+        self.dk = self.dv = None
+        if returned_shape is not None:
+            self.dk, self.dv = (cp.zeros(returned_shape, dtype=cp.float32) for _ in range(2))
+
+    def post(self, s):
+        pass
+
+    def kv(self, s):
+        return self.messages[s]
+
+    def done(self, s):
+        pass
+
+    def return_buffers(self, s):
+        return self.returns[s]
+
+    def post_return(self, s):
+        pass
+
+    def finish(self):
+        pass
 
 
 def transfers_only(comm, prog, k, v, *, returns: bool):
@@ -124,7 +132,7 @@ def transfers_only(comm, prog, k, v, *, returns: bool):
 
 
 def relative(a, b) -> float:
-    import cupy as cp
+    cp = arrays.cupy_module()
 
     a, b = a.astype(cp.float32), b.astype(cp.float32)
     if not bool(cp.all(cp.isfinite(a))):
@@ -133,10 +141,10 @@ def relative(a, b) -> float:
 
 
 def run_mask(name: str, args, comm) -> dict:
-    import cupy as cp
+    cp = arrays.cupy_module()
 
     import omnicupy
-    from omnicupy import arrays, builders
+    from omnicupy import builders
     from omnicupy import distributed as dist
     from omnicupy.distributed import model
 
@@ -173,12 +181,25 @@ def run_mask(name: str, args, comm) -> dict:
         return row
 
     timer = Timer(comm, args.repeats)
-    messages = {s.step: (cp.asarray(rng.standard_normal((1, kv_heads, s.recv.length, d)).astype(dtype)),
-                         cp.asarray(rng.standard_normal((1, kv_heads, s.recv.length, d)).astype(dtype)))
-                for s in prog.remote_steps if s.recv is not None}
+    from omnicupy.distributed.sharded_attention import backward_steps, forward_steps
+
+    def message(length):
+        return cp.asarray(rng.standard_normal((1, kv_heads, length, d)).astype(dtype))
+
+    messages = {s.step: (message(s.recv.length), message(s.recv.length)) for s in prog.remote_steps if s.recv}
+    returns = {s.step: (cp.empty_like(k_), cp.empty_like(v_)) for s in prog.remote_steps if s.recv
+               for k_, v_ in [messages[s.step]]}
+    returned_shape = (1, kv_heads, prog.returned_len, d) if prog.returned_len else None
+
+    def compute_only(backward: bool = False):
+        o, l_ = forward_steps(q_r, k_r, v_r, prog, Resident(prog, messages, returns, None))
+        if backward:
+            backward_steps(do_r, q_r, k_r, v_r, o, l_, prog, Resident(prog, messages, returns, returned_shape),
+                           omnicupy.attention_backward, {})
+
     row["single_forward_ms"] = timer(lambda: omnicupy.attention(q, k, v, bm, return_lse=True))
     row["forward_ms"] = timer(lambda: dist.attention(q_r, k_r, v_r, plan, comm, return_lse=True))
-    row["compute_forward_ms"] = timer(lambda: compute_only(prog, q_r, k_r, v_r, messages))
+    row["compute_forward_ms"] = timer(compute_only)
     row["transfer_forward_ms"] = timer(lambda: transfers_only(comm, prog, k_r, v_r, returns=False))
     if has_backward:
         def single_both():
@@ -189,17 +210,13 @@ def run_mask(name: str, args, comm) -> dict:
             o, l_ = dist.attention(q_r, k_r, v_r, plan, comm, return_lse=True)
             return dist.attention_backward(do_r, q_r, k_r, v_r, o, l_, plan, comm)
 
-        def compute_both():
-            o, l_ = compute_only(prog, q_r, k_r, v_r, messages)
-            return compute_only(prog, q_r, k_r, v_r, messages, backward_inputs=(do_r, o, l_))
-
         def transfers_both():
             transfers_only(comm, prog, k_r, v_r, returns=False)
             transfers_only(comm, prog, k_r, v_r, returns=True)
 
         row["single_both_ms"] = timer(single_both)
         row["both_ms"] = timer(dist_both)
-        row["compute_both_ms"] = timer(compute_both)
+        row["compute_both_ms"] = timer(lambda: compute_only(backward=True))
         row["transfer_both_ms"] = timer(transfers_both)
     for kind in ("forward", "both"):
         if f"{kind}_ms" not in row:
@@ -216,8 +233,9 @@ def run_mask(name: str, args, comm) -> dict:
     sent = row["bytes_sent_forward"]
     link = sent / (row["transfer_forward_ms"] * 1e-3) / 1e9 if sent and row["transfer_forward_ms"] else None
     both_tflops = None
-    if has_backward:
-        both_tflops = 2.5 * pairs_flops / ((row["single_both_ms"] - row["single_forward_ms"]) * 1e-3) / 1e12
+    backward_ms = row.get("single_both_ms", 0.0) - row["single_forward_ms"]
+    if has_backward and backward_ms > 0:
+        both_tflops = 2.5 * pairs_flops / (backward_ms * 1e-3) / 1e12
     machine = model.calibrated(model.H200_NVLINK_IB, forward_tflops=measured_tflops, nvlink_gbs=link,
                                backward_tflops=both_tflops)
     row["measured_forward_tflops"], row["measured_link_gbs"] = measured_tflops, link
@@ -297,8 +315,6 @@ def main(argv=None) -> int:
     bad = [m for m in args.masks if m not in MASKS]
     if bad:
         parser.error(f"unknown masks {bad}; choose from {MASKS}")
-    from omnicupy import arrays
-
     count = arrays.cupy_module().cuda.runtime.getDeviceCount() if arrays.gpu_available() else 0
     if count < args.gpus:
         print(f"bench_context_parallel.py needs {args.gpus} GPUs; {count} usable here, so nothing was run.")

@@ -64,6 +64,9 @@ class FakeEvent:
         assert isinstance(stream, FakeStream), "an event recorded without a stream goes to the null stream"
         self.recorded = True
 
+    def synchronize(self):
+        assert self.recorded
+
 
 class FakeCupy:
     """NumPy under CuPy's names; functions return FakeArray."""
@@ -75,6 +78,7 @@ class FakeCupy:
         self._stream = FakeStream()
         self.cuda = SimpleNamespace(
             get_current_stream=lambda: self._stream, Event=FakeEvent, Stream=lambda **kw: FakeStream(),
+            get_elapsed_time=lambda start, end: 1.0,
             runtime=SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1), Device=lambda i: FakeStream())
 
     def __getattr__(self, name):
@@ -130,6 +134,14 @@ class FakeComm(Communicator):
 
     def barrier(self):
         self.world.barrier.wait()
+
+    def all_reduce(self, array, op="sum", stream=None):
+        self.world.gathered[self.rank] = np.array(array, copy=True)
+        self.world.barrier.wait()
+        parts = [self.world.gathered[r] for r in range(self.size)]
+        self.world.barrier.wait()
+        array[...] = {"sum": np.sum, "max": np.max, "min": np.min}[op](np.stack(parts), axis=0)
+        return array
 
 
 def fake_attention(q, k, v, block_mask=None, *, scale=None, return_lse=False, stages=None, **unused):

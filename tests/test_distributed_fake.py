@@ -99,3 +99,25 @@ def test_numpy_shards_give_numpy_results(fake_gpu):
     assert type(out) is np.ndarray and out.dtype == np.float16
     want = reference.attention(q, q, q, bm.to_dense())
     assert reference.relative_error(out, want) < 3e-3
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # transfers-only timing sends unset buffers
+def test_the_benchmark_runs_on_the_stand_ins(fake_gpu):
+    """benchmarks/bench_context_parallel.py's per-rank work, end to end on two threads (times are fake)."""
+    import sys
+    from argparse import Namespace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_context_parallel as bench
+
+    args = Namespace(n=1024, heads=1, kv_heads=1, head_dim=16, dtype="fp16", seed=SEED, repeats=1)
+    world = fd.World(2)
+    comms = [fd.FakeComm(world, r) for r in range(2)]
+    rows = fd.run_ranks(2, lambda r: [bench.run_mask(name, args, comms[r]) for name in ("causal", "document")])
+    for row in rows[0]:
+        assert row["correct"], row
+        for key in ("forward_ms", "both_ms", "compute_both_ms", "transfer_both_ms", "model_forward_ms",
+                    "hidden_forward", "speedup_both"):
+            assert key in row, (row["mask"], key)
+    assert "causal" in bench.table(rows[0]).splitlines()[2]

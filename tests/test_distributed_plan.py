@@ -170,7 +170,8 @@ def test_chunk_no_query_attends_to_is_never_sent():
     plan = planner.plan(bm, 4, strategy="contiguous")
     assert all(plan.tokens_sent(r) == 0 for r in range(4))
     prog = steps.program(plan, 1)
-    assert all(s.send is None and s.recv is None for s in prog.remote_steps)
+    assert all(s.send is None and s.recv is None and not s.parts for s in prog.remote_steps)
+    assert prog.touched == () and prog.returned == ()
 
 
 def test_full_mask_gathers_everything():
@@ -223,20 +224,35 @@ def test_step_submasks_match_the_dense_mask(name, n, world, qbs, kbs, strategy):
             kv_units = plan.rank_units(r) if step.step == 0 else (step.recv.units if step.recv else np.zeros(0, int))
             kv_pos = planner.units_positions(kv_units, starts)
             want = dense[:, :, q_pos][:, :, :, kv_pos]
-            if step.mask is None:
-                assert not want.any(), f"{name} rank {r} step {step.step}"
-                continue
-            got = step.mask.to_dense()
-            assert np.array_equal(np.broadcast_to(got, want.shape), want), f"{name} rank {r} step {step.step} seed {SEED}"
+            covered = np.zeros(len(q_pos), dtype=bool)
+            for part in step.parts:
+                rows = slice(part.q_start, part.q_start + part.q_len)
+                assert not covered[rows].any(), "parts overlap"
+                covered[rows] = True
+                got = part.mask.to_dense()
+                part_want = want[:, :, rows]
+                assert np.array_equal(np.broadcast_to(got, part_want.shape), part_want), \
+                    f"{name} rank {r} step {step.step} seed {SEED}"
+                if step.step:  # the part's rows sit in the compact accumulator where the program says
+                    acc = [a + part.q_start - lo for lo, a, n in prog.touched if lo <= part.q_start < lo + n]
+                    assert acc == [part.acc_start]
+            assert not want[:, :, ~covered].any(), f"{name} rank {r} step {step.step}: rows left out"
+        for lo, a, n in prog.returned:  # every returned row of a message lands in the compact buffer
+            assert 0 <= lo and lo + n <= plan.local_len(r)
+        for step in prog.remote_steps:
+            if step.send:
+                for (own, at, n), (acc, at2, n2) in zip(step.send.runs, step.send.acc_runs):
+                    assert (at, n) == (at2, n2)
+                    assert [a + own - lo for lo, a, m in prog.returned if lo <= own < lo + m] == [acc]
 
 
 def test_causal_blocks_stay_causal_in_the_local_step():
     n = 2048
     plan = planner.plan(BlockMask.causal(n, n), 2, strategy="zigzag")
-    local = steps.program(plan, 0).steps[0].mask
+    local = steps.program(plan, 0).steps[0].parts[0].mask
     assert local.features.causal and not local.features.partial
-    remote = steps.program(plan, 0).steps[1].mask  # rank 0's late chunk sees rank 1's chunks: FULL only
-    assert not remote.features.partial
+    (remote,) = steps.program(plan, 0).steps[1].parts  # rank 0's late chunk sees rank 1's chunks: FULL only
+    assert not remote.mask.features.partial and remote.q_start == plan.local_len(0) // 2
 
 
 def test_moved_causal_block_becomes_bits():
@@ -350,13 +366,12 @@ def reference_pair(q, k, v, dense, scale):
 def replay_forward(plan, q, k, v, dense, scale):
     """Every rank's program with the float64 reference as the kernel; returns each rank's (out, lse)."""
     world = plan.world_size
-    q_sh = [sharding.shard(q, plan, r) for r in range(world)]
-    k_sh = [sharding.shard(k, plan, r) for r in range(world)]
-    v_sh = [sharding.shard(v, plan, r) for r in range(world)]
+    q_sh, k_sh, v_sh = ([sharding.shard(x, plan, r) for r in range(world)] for x in (q, k, v))
     results = []
     for r in range(world):
         prog = steps.program(plan, r)
-        acc = merge.PartialSum()
+        out = np.zeros(q_sh[r].shape)
+        lse = np.full(q_sh[r].shape[:3], -np.inf)
         for step in prog.steps:
             if step.step == 0:
                 k_msg, v_msg = k_sh[r], v_sh[r]
@@ -364,10 +379,11 @@ def replay_forward(plan, q, k, v, dense, scale):
                 continue
             else:
                 k_msg, v_msg = cut_message(plan, step.src, step.step, k_sh, v_sh)
-            if step.mask is not None:
-                o, lse = reference_pair(q_sh[r], k_msg, v_msg, step.mask.to_dense(), scale)
-                acc.add(o, lse)
-        results.append(acc.result(np.float64, q_sh[r].shape, q_sh[r].shape[:3], np))
+            for part in step.parts:
+                rows = slice(part.q_start, part.q_start + part.q_len)
+                o, l_ = reference_pair(q_sh[r][:, :, rows], k_msg, v_msg, part.mask.to_dense(), scale)
+                merge.merge_into(out[:, :, rows], lse[:, :, rows], o, l_, np)
+        results.append((out, lse))
     return results
 
 
@@ -415,18 +431,18 @@ def replay_backward(plan, q, k, v, dout, out, lse, scale):
                 continue
             else:
                 k_msg, v_msg = cut_message(plan, step.src, step.step, k_sh, v_sh)
-            if step.mask is None:
-                continue
-            g_q, g_k, g_v = pair_backward(q_sh[r], k_msg, v_msg, do_sh[r], o_sh[r], l_sh[r], step.mask.to_dense(),
-                                          scale)
-            dq[r] += g_q
-            if step.step == 0:
-                dk[r] += g_k
-                dv[r] += g_v
-                continue
-            for own, at, n in steps.program(plan, step.src).steps[step.step].send.runs:  # back to the owner
-                dk[step.src][:, :, own:own + n] += g_k[:, :, at:at + n]
-                dv[step.src][:, :, own:own + n] += g_v[:, :, at:at + n]
+            for part in step.parts:
+                rows = slice(part.q_start, part.q_start + part.q_len)
+                g_q, g_k, g_v = pair_backward(q_sh[r][:, :, rows], k_msg, v_msg, do_sh[r][:, :, rows],
+                                              o_sh[r][:, :, rows], l_sh[r][:, :, rows], part.mask.to_dense(), scale)
+                dq[r][:, :, rows] += g_q
+                if step.step == 0:
+                    dk[r] += g_k
+                    dv[r] += g_v
+                    continue
+                for own, at, n in steps.program(plan, step.src).steps[step.step].send.runs:  # back to the owner
+                    dk[step.src][:, :, own:own + n] += g_k[:, :, at:at + n]
+                    dv[step.src][:, :, own:own + n] += g_v[:, :, at:at + n]
     return [sharding.gather_shards(x, plan) for x in (dq, dk, dv)]
 
 
@@ -581,3 +597,15 @@ def test_distributed_imports_no_torch_and_no_nccl():
     code = ("import sys, omnicupy.distributed; "
             "assert 'torch' not in sys.modules and 'cupy_backends.cuda.libs.nccl' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_remote_steps_compute_only_the_rows_that_attend():
+    """A sliding window's message is computed (and merged) for the window's rows, not the shard's."""
+    n, window = 131072, 4096
+    bm = builders.from_mask_mod(masks.sliding_window(window), None, None, n, n, xp=np)
+    plan = planner.plan(bm, 2)
+    prog = steps.program(plan, 1)
+    (part,) = prog.steps[1].parts
+    assert (part.q_start, part.q_len, part.acc_start) == (0, window, 0)
+    assert prog.touched == ((0, 0, window),)
+    assert steps.program(plan, 0).returned == ((plan.local_len(0) - window, 0, window),)

@@ -68,10 +68,13 @@ class KVExchange:
             if prog.max_packed_send_len:
                 self.send_buffer = cp.empty(self._elements(prog.max_packed_send_len), dtype=dtype)
         self.returns = returns
+        self.dk = self.dv = None
         if returns:
-            shape = tuple(k.shape)
-            self.dk = cp.zeros(shape, dtype=np.float32)  # returned partials, summed on the transfer stream
-            self.dv = cp.zeros(shape, dtype=np.float32)
+            # Returned partials, summed in float32 on the transfer stream, for the returned rows only.
+            if prog.returned_len:
+                shape = (batch, kv_heads, prog.returned_len, head_dim)
+                self.dk = cp.zeros(shape, dtype=np.float32)
+                self.dv = cp.zeros(shape, dtype=np.float32)
             self.return_slots = ([cp.empty(self._elements(prog.max_recv_len), dtype=dtype) for _ in range(self._slots)]
                                  if prog.max_recv_len else [])
             self.returned = (cp.empty(self._elements(prog.max_send_len), dtype=dtype) if prog.max_send_len else None)
@@ -167,7 +170,8 @@ class KVExchange:
 
     def post_return(self, s: int) -> None:
         """Send step s's partials (written to ``return_buffers(s)``) back to the message's owner and
-        receive the partials of what this rank sent at step s, adding them to ``dk``/``dv``."""
+        receive the partials of what this rank sent at step s, adding them to ``dk``/``dv`` (compact:
+        the rows ``prog.returned`` names)."""
         cp = arrays.cupy_module()
         step = self._step(s)
         sends, recvs = [], []
@@ -183,9 +187,9 @@ class KVExchange:
             self._return_sent[self._slot(s)] = _event(self.stream)
         if recvs:
             with self.stream:
-                for own, at, n in step.send.runs:
+                for acc, at, n in step.send.acc_runs:
                     for total, part in ((self.dk, back[0]), (self.dv, back[1])):
-                        window = total[:, :, own:own + n]
+                        window = total[:, :, acc:acc + n]
                         cp.add(window, part[:, :, at:at + n].astype(np.float32), out=window)
 
     def finish(self) -> None:

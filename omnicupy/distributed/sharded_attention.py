@@ -28,9 +28,9 @@ from ..errors import ArgumentError, MaskError
 from .comm import Communicator
 from .errors import BackwardUnavailableError, DistributedError
 from .exchange import KVExchange
-from .merge import PartialSum
+from .merge import merge_into
 from .planner import Plan
-from .steps import RankProgram, program
+from .steps import Part, RankProgram, program
 
 
 # ------------------------------------------------------------------------------ checks
@@ -94,7 +94,64 @@ def _host_result(host: bool, *results):
     return tuple(r.get() if host and r is not None else r for r in results)
 
 
+# ------------------------------------------------------------------------------ rows
+def _rows(x: Any, part: Part, shard_len: int, *, contiguous: bool = False) -> Any:
+    """The part's rows of a shard ``[B, H, L, ...]`` (a view, or a contiguous copy when asked)."""
+    if part.q_start == 0 and part.q_len == shard_len:
+        return x
+    view = x[:, :, part.q_start:part.q_start + part.q_len]
+    return arrays.cupy_module().ascontiguousarray(view) if contiguous else view
+
+
+def _gather_rows(x: Any, runs, length: int) -> Any:
+    """float32 compact copy ``[B, H, length, ...]`` of the rows ``runs`` name (local, compact, n)."""
+    cp = arrays.cupy_module()
+    compact = cp.empty(x.shape[:2] + (length,) + x.shape[3:], dtype=np.float32)
+    for local, at, n in runs:
+        compact[:, :, at:at + n] = x[:, :, local:local + n]
+    return compact
+
+
+def _scatter_rows(x: Any, compact: Any, runs) -> None:
+    """Write the compact float32 rows back into ``x`` (cast to its dtype)."""
+    for local, at, n in runs:
+        x[:, :, local:local + n] = compact[:, :, at:at + n]
+
+
 # ----------------------------------------------------------------------------- forward
+def forward_steps(q: Any, k: Any, v: Any, prog: RankProgram, exchange: Any, *, scale: Optional[float] = None,
+                  stages: Optional[int] = None) -> tuple[Any, Any]:
+    """The forward's step loop on device shards; ``exchange`` delivers the messages (a KVExchange,
+    already started). Returns this rank's (out, lse)."""
+    import omnicupy
+
+    cp = arrays.cupy_module()
+    local = prog.steps[0].parts
+    if local:  # first: argument errors surface before any transfer is posted
+        out, lse = omnicupy.attention(q, k, v, local[0].mask, scale=scale, return_lse=True, stages=stages)
+    else:
+        out = cp.zeros(q.shape, dtype=q.dtype)
+        lse = cp.full(q.shape[:3], -np.inf, dtype=np.float32)
+    exchange.post(1)
+    # Rows that remote parts touch are merged in float32, from the local result on.
+    acc = _gather_rows(out, prog.touched, prog.touched_len) if prog.touched_len else None
+    for step in prog.remote_steps:
+        exchange.post(step.step + 1)
+        if step.recv is None:
+            continue
+        k_msg, v_msg = exchange.kv(step.step)
+        for part in step.parts:
+            o, part_lse = omnicupy.attention(_rows(q, part, prog.local_len), k_msg, v_msg, part.mask, scale=scale,
+                                             return_lse=True, stages=stages)
+            merge_into(acc[:, :, part.acc_start:part.acc_start + part.q_len],
+                       _rows(lse, part, prog.local_len), o, part_lse, cp)
+        exchange.done(step.step)
+    exchange.finish()
+    if acc is not None:
+        _scatter_rows(out, acc, prog.touched)
+    return out, lse
+
+
 def attention(q: Any, k: Any, v: Any, plan: Plan, comm: Communicator, *, scale: Optional[float] = None,
               return_lse: bool = False, stages: Optional[int] = None):
     """Attention of this rank's queries over the whole sharded sequence, under ``plan``'s mask.
@@ -104,29 +161,11 @@ def attention(q: Any, k: Any, v: Any, plan: Plan, comm: Communicator, *, scale: 
     calls this with the same plan. Returns this rank's output shard (and, with ``return_lse``, its
     float32 LSE ``[B, Hq, L]``): ``unshard`` puts them back in sequence order. NumPy shards give
     NumPy results; others CuPy arrays on the current stream."""
-    import omnicupy
-
     prog = _prepare(plan, comm, q, k, v)
     host = arrays.is_numpy(q)
     q = _device(q, "q", comm)
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    exchange = KVExchange(comm, prog, k, v)
-    parts = PartialSum()
-    local = prog.steps[0]
-    if local.mask is not None:  # first: argument errors surface before any transfer is posted
-        parts.add(*omnicupy.attention(q, k, v, local.mask, scale=scale, return_lse=True, stages=stages))
-    exchange.post(1)
-    for step in prog.remote_steps:
-        exchange.post(step.step + 1)
-        if step.recv is None:
-            continue
-        k_msg, v_msg = exchange.kv(step.step)
-        if step.mask is not None:
-            parts.add(*omnicupy.attention(q, k_msg, v_msg, step.mask, scale=scale, return_lse=True, stages=stages))
-        exchange.done(step.step)
-    exchange.finish()
-    cp = arrays.cupy_module()
-    out, lse = parts.result(q.dtype, tuple(q.shape), tuple(q.shape[:3]), cp)
+    out, lse = forward_steps(q, k, v, prog, KVExchange(comm, prog, k, v), scale=scale, stages=stages)
     out, lse = _host_result(host, out, lse)
     return (out, lse) if return_lse else out
 
@@ -147,6 +186,69 @@ def _same_memory(a: Any, b: Any) -> bool:
     return a.data.ptr == b.data.ptr and a.shape == b.shape
 
 
+def _message_gradients(bwd, parts, inputs, k_msg, v_msg, dk_msg, dv_msg, dq_acc, length, options) -> None:
+    """One message's backward: dK/dV of the message into ``dk_msg``/``dv_msg`` (summed over the
+    parts in float32 when there are several), each part's dQ added to its rows of ``dq_acc``."""
+    cp = arrays.cupy_module()
+    dout, q, out, lse = inputs
+    sums = None
+    for i, part in enumerate(parts):
+        rows = [_rows(x, part, length, contiguous=True) for x in (dout, q, out, lse)]
+        single = len(parts) == 1
+        dq_p, dk_p, dv_p = bwd(rows[0], rows[1], k_msg, v_msg, rows[2], rows[3], part.mask,
+                               dk=dk_msg if single else None, dv=dv_msg if single else None, **options)
+        window = dq_acc[:, :, part.acc_start:part.acc_start + part.q_len]
+        cp.add(window, dq_p.astype(np.float32), out=window)
+        if single:
+            for got, slot in ((dk_p, dk_msg), (dv_p, dv_msg)):
+                if not _same_memory(got, slot):
+                    slot[...] = got
+        elif sums is None:
+            sums = [dk_p.astype(np.float32), dv_p.astype(np.float32)]
+        else:
+            sums[0] += dk_p.astype(np.float32)
+            sums[1] += dv_p.astype(np.float32)
+    if not parts:  # nothing attends to the message here: its owner still expects partials
+        dk_msg.fill(0)
+        dv_msg.fill(0)
+    elif sums is not None:
+        dk_msg[...] = sums[0]
+        dv_msg[...] = sums[1]
+
+
+def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: RankProgram, exchange: Any, bwd,
+                   options: dict) -> tuple[Any, Any, Any]:
+    """The backward's step loop on device shards; ``exchange`` delivers the messages and carries
+    the partials back (a KVExchange with ``returns``, already started)."""
+    cp = arrays.cupy_module()
+    local = prog.steps[0].parts
+    if local:  # first: argument errors surface before any transfer is posted
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, local[0].mask, **options)
+    else:
+        dq, dk, dv = (cp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+    exchange.post(1)
+    dq_acc = _gather_rows(dq, prog.touched, prog.touched_len) if prog.touched_len else None
+    for step in prog.remote_steps:
+        s = step.step
+        exchange.post(s + 1)
+        if step.recv is not None:
+            k_msg, v_msg = exchange.kv(s)
+            dk_msg, dv_msg = exchange.return_buffers(s)
+            _message_gradients(bwd, step.parts, (dout, q, out, lse), k_msg, v_msg, dk_msg, dv_msg, dq_acc,
+                               prog.local_len, options)
+            exchange.done(s)
+        exchange.post_return(s)
+    exchange.finish()
+    if dq_acc is not None:
+        _scatter_rows(dq, dq_acc, prog.touched)
+    for grad, returned in ((dk, exchange.dk), (dv, exchange.dv)):  # own partial + the ones sent back
+        if returned is not None:
+            total = _gather_rows(grad, prog.returned, prog.returned_len)
+            total += returned
+            _scatter_rows(grad, total, prog.returned)
+    return dq, dk, dv
+
+
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: Plan, comm: Communicator, *,
                        scale: Optional[float] = None, deterministic: bool = False):
     """Gradients ``(dq, dk, dv)`` of this rank's shards, from this rank's ``dout`` and the ``out`` and
@@ -160,42 +262,12 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     if _shape(lse, "lse") != tuple(q.shape[:3]) or np.dtype(lse.dtype) != np.float32:
         raise ArgumentError(f"lse must be float32 {tuple(q.shape[:3])}, got {lse.dtype} {tuple(lse.shape)}")
     host = arrays.is_numpy(q)
-    cp = arrays.cupy_module()
     q, dout, out, lse = (_device(x, n, comm) for x, n in ((q, "q"), (dout, "dout"), (out, "out"), (lse, "lse")))
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    options = dict(scale=scale, deterministic=deterministic)
     exchange = KVExchange(comm, prog, k, v, returns=True)
-    local = prog.steps[0]
-    if local.mask is not None:  # first: argument errors surface before any transfer is posted
-        dq0, dk0, dv0 = bwd(dout, q, k, v, out, lse, local.mask, **options)
-        dq = dq0.astype(np.float32)
-    else:
-        dq, dk0, dv0 = cp.zeros(q.shape, dtype=np.float32), None, None
-    exchange.post(1)
-    for step in prog.remote_steps:
-        s = step.step
-        exchange.post(s + 1)
-        if step.recv is not None:
-            k_msg, v_msg = exchange.kv(s)
-            dk_msg, dv_msg = exchange.return_buffers(s)
-            if step.mask is not None:
-                dq_s, dk_s, dv_s = bwd(dout, q, k_msg, v_msg, out, lse, step.mask, dk=dk_msg, dv=dv_msg, **options)
-                for got, slot in ((dk_s, dk_msg), (dv_s, dv_msg)):
-                    if not _same_memory(got, slot):
-                        slot[...] = got
-                dq += dq_s.astype(np.float32)
-            else:
-                dk_msg.fill(0)
-                dv_msg.fill(0)
-            exchange.done(s)
-        exchange.post_return(s)
-    exchange.finish()
-    dk, dv = exchange.dk, exchange.dv
-    if dk0 is not None:
-        dk += dk0.astype(np.float32)
-        dv += dv0.astype(np.float32)
-    dtype = q.dtype
-    return _host_result(host, dq.astype(dtype), dk.astype(dtype), dv.astype(dtype))
+    grads = backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
+                           dict(scale=scale, deterministic=deterministic))
+    return _host_result(host, *grads)
 
 
-__all__ = ["attention", "attention_backward", "backward_function"]
+__all__ = ["attention", "attention_backward", "backward_function", "forward_steps", "backward_steps"]
