@@ -607,5 +607,33 @@ def test_remote_steps_compute_only_the_rows_that_attend():
     prog = steps.program(plan, 1)
     (part,) = prog.steps[1].parts
     assert (part.q_start, part.q_len, part.acc_start) == (0, window, 0)
+    assert plan.rows_attending(1, 0) == window and plan.rows_attending(0, 1) == 0
     assert prog.touched == ((0, 0, window),)
     assert steps.program(plan, 0).returned == ((plan.local_len(0) - window, 0, window),)
+
+
+@pytest.mark.parametrize("type_name", ["float16", "bfloat16", "float"])
+def test_fused_merge_source_compiles(type_name):
+    """The fused merge's body, with CuPy's float16/bfloat16 classes, compiles with NVRTC (no GPU needed)."""
+    from pathlib import Path
+
+    cupy = pytest.importorskip("cupy")
+    runtime = pytest.importorskip("nvidia.cuda_runtime")
+    from omnicupy.jit.compiler import compile_cubin
+
+    headers = [Path(cupy.__file__).parent / "_core" / "include", Path(list(runtime.__path__)[0]) / "include"]
+    if not (headers[1] / "cuda_fp16.h").exists():
+        pytest.skip("no CUDA headers beside the runtime wheel")
+    source = f"""
+#include <cupy/float16.cuh>
+#include <cupy/bfloat16.cuh>
+typedef {type_name} T;
+extern "C" __global__ void merge(const T* o_part_, const float* lse_part_, const float* lse_acc_, float* out_) {{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const T o_part = o_part_[i];
+    const float lse_part = lse_part_[i], lse_acc = lse_acc_[i];
+    float& out = out_[i];
+    {merge._FUSED_SOURCE}
+}}
+"""
+    assert compile_cubin(source, name=f"merge_{type_name}", arch="sm_80", include_dirs=headers).cubin

@@ -29,7 +29,7 @@ from .planner import Plan
 #: FLOPs per allowed (query, key) pair: two matmuls of 2 * D each (the project's effective count).
 FORWARD_FLOPS_PER_PAIR_PER_DIM = 4
 BACKWARD_FLOP_RATIO = 2.5
-#: Merging one partial: about five float32 passes over [B, H, L, D] (read/write the sum, read the part).
+#: Merging one partial: about five float32 passes over its rows of [B, H, L, D] (read/write the sum, read the part).
 MERGE_BYTES_PER_ELEMENT = 5 * 4
 
 
@@ -103,8 +103,7 @@ def predict(plan: Plan, shapes: Shapes = Shapes(), machine: Machine = H200_NVLIN
     seconds = lambda work: work * flops_per_work * per_flop / 1e12  # noqa: E731
     single = seconds(float(plan.exchange_work.sum()))
     per_token = 2 * shapes.batch * shapes.kv_heads * shapes.head_dim * shapes.itemsize
-    merge = [MERGE_BYTES_PER_ELEMENT * shapes.batch * shapes.heads * plan.local_len(r) * shapes.head_dim
-             / (machine.hbm_tbs * 1e12) for r in range(world)]
+    merge_per_row = MERGE_BYTES_PER_ELEMENT * shapes.batch * shapes.heads * shapes.head_dim / (machine.hbm_tbs * 1e12)
     step_s = machine.step_us * 1e-6
     compute = np.zeros((world, world))  # [rank, step]
     transfer = np.zeros(world)  # [step]
@@ -112,7 +111,9 @@ def predict(plan: Plan, shapes: Shapes = Shapes(), machine: Machine = H200_NVLIN
         for r in range(world):
             src = (r - s) % world
             work = plan.exchange_work[r, src]
-            compute[r, s] = seconds(work) + (merge[r] + step_s if work and s else 0.0)
+            # a remote step merges the rows that attend to the message (steps.py's parts)
+            merge = merge_per_row * plan.rows_attending(r, src) if s else 0.0
+            compute[r, s] = seconds(work) + (merge + step_s if work and s else 0.0)
             if s:
                 received = int(plan.unit_tokens[plan.recv_units(r, s)].sum())
                 sent = int(plan.unit_tokens[plan.send_units(r, s)].sum())

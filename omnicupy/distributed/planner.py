@@ -89,6 +89,7 @@ class Candidate:
     rank_work: np.ndarray  # [W]
     exchange_work: np.ndarray  # [W, W]: work of rank r's queries against rank s's keys
     need: np.ndarray  # [W, U] bool
+    attends: np.ndarray  # [U, W] bool: some query of unit u attends some key of rank w
     tokens_sent: np.ndarray  # [W] forward tokens of K/V each rank sends (ring schedule)
 
     @property
@@ -120,6 +121,7 @@ class Plan:
     rank_work: np.ndarray
     exchange_work: np.ndarray  # [W, W]: block work of rank r's queries against rank s's keys
     need: np.ndarray
+    attends: np.ndarray  # [U, W]: some query of unit u attends some key of rank w
     max_imbalance: float
     candidates: tuple = field(repr=False, compare=False, default=())
     mask: Optional[BlockMask] = field(repr=False, compare=False, default=None)
@@ -200,6 +202,10 @@ class Plan:
         per_token = 2 * batch * kv_heads * head_dim * itemsize
         tokens = self.tokens_sent(rank) + (self.tokens_received(rank) if backward else 0)
         return tokens * per_token
+
+    def rows_attending(self, rank: int, source: int) -> int:
+        """Tokens of rank's queries that attend some key of ``source``'s shard."""
+        return int(self.unit_tokens[(self.unit_owner == rank) & self.attends[:, source]].sum())
 
     def tokens_needed(self, rank: int) -> int:
         """Tokens of other ranks' shards that rank's queries attend to."""
@@ -404,11 +410,14 @@ def _candidate(mw: MaskWork, world_size: int, strategy: str, chunks_per_rank: in
     need = np.zeros(world_size * mw.num_units, dtype=bool)
     need[unit_owner[mw.q_unit] * mw.num_units + mw.kv_unit] = True
     need = need.reshape(world_size, mw.num_units)
+    attends = np.zeros(mw.num_units * world_size, dtype=bool)
+    attends[mw.q_unit * world_size + unit_owner[mw.kv_unit]] = True
+    attends = attends.reshape(mw.num_units, world_size)
     # Forward traffic of the ring: rank r sends every unit it owns once to each rank that needs it.
     remote = need & (unit_owner[None, :] != np.arange(world_size)[:, None])
     sent = np.bincount(unit_owner, weights=(remote.sum(axis=0) * mw.unit_tokens), minlength=world_size)
     return Candidate(strategy, chunks_per_rank, chunk_of_unit, owner.astype(np.int64), unit_owner.astype(np.int64),
-                     rank_work, exchange_work, need, sent.astype(np.int64))
+                     rank_work, exchange_work, need, attends, sent.astype(np.int64))
 
 
 def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str],
@@ -464,7 +473,8 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
         schedule = "allgather" if gather else "ring"
     result = Plan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
                   best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
-                  mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, max_imbalance,
+                  mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, best.attends,
+                  max_imbalance,
                   tuple(found), block_mask)
     return result
 
