@@ -637,3 +637,19 @@ extern "C" __global__ void merge(const T* o_part_, const float* lse_part_, const
 }}
 """
     assert compile_cubin(source, name=f"merge_{type_name}", arch="sm_80", include_dirs=headers).cubin
+
+
+def test_broadcast_metadata_counts_once_and_scales():
+    """Batch/head dims the builders broadcast by stride 0 are read once; the work counts every row."""
+    n = 4096
+    one = builders.from_mask_mod(masks.sliding_window(300), None, None, n, n, xp=np)
+    wide = builders.from_mask_mod(masks.sliding_window(300), 2, 3, n, n, xp=np)
+    assert wide.kv_indices.strides[0] == 0 and wide.kv_indices.strides[1] == 0
+    host = submask.host_metadata(wide)
+    assert host.kv_indices.shape[:2] == (1, 1) and host.copies == 6 and host.batch_heads == (2, 3)
+    a, b = planner.plan(one, 4, strategy="lpt", chunks_per_rank=2), planner.plan(wide, 4, strategy="lpt",
+                                                                                chunks_per_rank=2)
+    np.testing.assert_allclose(b.rank_work, 6 * a.rank_work)
+    assert np.array_equal(a.need, b.need)
+    part = steps.program(b, 1).steps[1].parts[0]
+    assert part.mask.shape[:2] == (2, 3)

@@ -29,8 +29,10 @@ from .planner import Plan
 #: FLOPs per allowed (query, key) pair: two matmuls of 2 * D each (the project's effective count).
 FORWARD_FLOPS_PER_PAIR_PER_DIM = 4
 BACKWARD_FLOP_RATIO = 2.5
-#: Merging one partial: about five float32 passes over its rows of [B, H, L, D] (read/write the sum, read the part).
-MERGE_BYTES_PER_ELEMENT = 5 * 4
+#: Merging one partial (merge.py's fused kernel): read and write the float32 sum, read the 2-byte part.
+MERGE_BYTES_PER_ELEMENT = 4 + 4 + 2
+#: Once per call, per touched row: the local result into the float32 accumulator and back.
+ACCUMULATOR_BYTES_PER_ELEMENT = (2 + 4) + (4 + 2)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ def predict(plan: Plan, shapes: Shapes = Shapes(), machine: Machine = H200_NVLIN
                 sent = int(plan.unit_tokens[plan.send_units(r, s)].sum())
                 moved = max(received, sent) * per_token * (2 if backward else 1)  # + the returns
                 transfer[s] = max(transfer[s], moved / (_link_gbs(machine, r, src) * 1e9) + step_s)
+    for r in range(world):  # the compact accumulator's fill and write-back, at most the whole shard
+        touched = min(plan.local_len(r), sum(plan.rows_attending(r, (r - s) % world) for s in range(1, world)))
+        compute[r, -1] += touched * merge_per_row * ACCUMULATOR_BYTES_PER_ELEMENT / MERGE_BYTES_PER_ELEMENT
     if plan.schedule == "allgather" and world > 1:
         # One all-gather: (W - 1) padded shards through each GPU's slowest link, behind the local step.
         longest = max(plan.local_len(r) for r in range(world))

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from .. import arrays
 from ..block_mask import BlockMask, BlockType, cdiv
 from ..checks import check_int, check_positive_float
 from ..errors import ArgumentError, MaskError
+from .submask import host_metadata
 
 #: Relative cost of one listed block by type: CAUSAL blocks compute about half their elements.
 BLOCK_WEIGHTS: Mapping[BlockType, int] = {BlockType.MASKED: 0, BlockType.CAUSAL: 1, BlockType.FULL: 2,
@@ -273,10 +273,6 @@ def needed_fraction(need: np.ndarray, unit_owner: np.ndarray, unit_tokens: np.nd
     return float((need & remote).dot(unit_tokens).sum()) / possible if possible else 0.0
 
 
-def _host(x: Any) -> Optional[np.ndarray]:
-    return None if x is None else np.asarray(arrays.to_numpy(x))
-
-
 def _block_type(key: Any) -> BlockType:
     try:
         return BlockType[key] if isinstance(key, str) else BlockType(key)
@@ -298,18 +294,15 @@ def _weight_table(weights: Optional[Mapping]) -> np.ndarray:
 
 def mask_work(bm: BlockMask, weights: Optional[Mapping] = None) -> MaskWork:
     """Unit-level work and (q unit, kv unit) pairs of ``bm`` (host copy of its metadata, O(listed
-    entries)). Batch and head dims the metadata broadcasts by stride 0 are counted once and scaled."""
+    entries)). Batch and head dims the metadata broadcasts by stride 0 are counted once and scaled.
+    """
     if not isinstance(bm, BlockMask):
         raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(bm).__name__}")
     if bm.q_len != bm.kv_len:
         raise MaskError(f"context parallelism shards one sequence: q_len ({bm.q_len}) must equal kv_len ({bm.kv_len})")
     table = _weight_table(weights)
-    nb, idx, types = (_host(a) for a in (bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types))
-    scale = 1
-    for dim in (0, 1):  # a dim every array broadcasts: count one slice, scale the work
-        if all(a.strides[dim] == 0 for a in (nb, idx, types)) and nb.shape[dim] > 1:
-            scale *= nb.shape[dim]
-            nb, idx, types = (a[(slice(None),) * dim + (slice(0, 1),)] for a in (nb, idx, types))
+    host = host_metadata(bm)
+    nb, idx, types, scale = host.kv_num_blocks, host.kv_indices, host.block_mask_types, host.copies
     qbs, kbs = bm.q_block_size, bm.kv_block_size
     unit = qbs * kbs // math.gcd(qbs, kbs)
     n = bm.q_len

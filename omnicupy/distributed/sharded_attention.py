@@ -34,9 +34,18 @@ from .steps import Part, RankProgram, program
 
 
 # ------------------------------------------------------------------------------ checks
+def _array(x: Any, name: str) -> Any:
+    """NumPy and CuPy arrays as they are; DLPack / CUDA-array-interface objects as zero-copy CuPy views."""
+    if x is None:
+        raise ArgumentError(f"{name} is required")
+    if arrays.is_numpy(x) or arrays.is_cupy(x):
+        return x
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        return arrays.as_array(x, name)
+    raise ArgumentError(f"{name} must be a NumPy/CuPy array or a DLPack object, got {type(x).__name__}")
+
+
 def _shape(x: Any, name: str) -> tuple[int, ...]:
-    if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ArgumentError(f"{name} must be an array, got {type(x).__name__}")
     return tuple(int(n) for n in x.shape)
 
 
@@ -47,7 +56,7 @@ def _check_dtype(x: Any, name: str) -> None:
 
 def _prepare(plan: Plan, comm: Communicator, q: Any, k: Any, v: Any) -> RankProgram:
     """Every check that needs no GPU, before any transfer: the plan fits the communicator and the
-    shards fit the plan."""
+    shards (arrays, see ``_array``) fit the plan."""
     if not isinstance(plan, Plan):
         raise ArgumentError(f"plan must come from omnicupy.distributed.plan(), got {type(plan).__name__}")
     if not isinstance(comm, Communicator):
@@ -161,6 +170,7 @@ def attention(q: Any, k: Any, v: Any, plan: Plan, comm: Communicator, *, scale: 
     calls this with the same plan. Returns this rank's output shard (and, with ``return_lse``, its
     float32 LSE ``[B, Hq, L]``): ``unshard`` puts them back in sequence order. NumPy shards give
     NumPy results; others CuPy arrays on the current stream."""
+    q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     prog = _prepare(plan, comm, q, k, v)
     host = arrays.is_numpy(q)
     q = _device(q, "q", comm)
@@ -255,10 +265,13 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     ``lse`` that ``attention(..., return_lse=True)`` returned for them. Every rank calls it with the
     same plan. dK/dV include the contributions of every rank's queries."""
     bwd = backward_function()
+    dout, q, k, v, out, lse = (_array(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
+                                                          (lse, "lse")))
     prog = _prepare(plan, comm, q, k, v)
     for name, x in (("dout", dout), ("out", out)):
-        if _shape(x, name) != tuple(q.shape):
-            raise ArgumentError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if _shape(x, name) != tuple(q.shape) or np.dtype(x.dtype) != np.dtype(q.dtype):
+            raise ArgumentError(f"{name} must have q's shape {tuple(q.shape)} and dtype {q.dtype}, "
+                                f"got {tuple(x.shape)} {x.dtype}")
     if _shape(lse, "lse") != tuple(q.shape[:3]) or np.dtype(lse.dtype) != np.float32:
         raise ArgumentError(f"lse must be float32 {tuple(q.shape[:3])}, got {lse.dtype} {tuple(lse.shape)}")
     host = arrays.is_numpy(q)

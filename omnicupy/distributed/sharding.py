@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 
 from .. import arrays
 from ..errors import ArgumentError

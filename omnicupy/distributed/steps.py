@@ -29,7 +29,7 @@ import numpy as np
 from ..block_mask import BlockMask
 from ..errors import ArgumentError
 from .planner import Plan
-from .submask import submask
+from .submask import HostMetadata, host_metadata, submask
 
 Run = tuple[int, int, int]  # (offset in a shard or buffer, offset in another, length)
 
@@ -168,9 +168,16 @@ def _message(plan: Plan, step: int, owner: int, units: np.ndarray) -> Optional[M
     return Message(step, owner, units, length, runs, whole)
 
 
+def _host(plan: Plan) -> HostMetadata:
+    """The plan's mask metadata on the host, fetched once per plan."""
+    if "host" not in plan._cache:
+        plan._cache["host"] = host_metadata(plan.mask)
+    return plan._cache["host"]
+
+
 def _parts(plan: Plan, own: np.ndarray, kv_units: np.ndarray) -> list[tuple[int, int, BlockMask]]:
     """(q start, q length, sub-mask) of each run of consecutive local units that attends to ``kv_units``."""
-    whole = submask(plan.mask, own, kv_units, plan.unit)
+    whole = submask(plan.mask, own, kv_units, plan.unit, _host(plan))
     if whole is None:
         return []
     counts = np.asarray(whole.kv_num_blocks).reshape(-1, whole.num_q_blocks).max(axis=0)
@@ -180,7 +187,7 @@ def _parts(plan: Plan, own: np.ndarray, kv_units: np.ndarray) -> list[tuple[int,
     parts = []
     for group in np.split(active, np.flatnonzero(np.diff(active) != 1) + 1):
         lo, hi = int(group[0]), int(group[-1]) + 1
-        mask = whole if (lo, hi) == (0, len(own)) else submask(plan.mask, own[lo:hi], kv_units, plan.unit)
+        mask = whole if (lo, hi) == (0, len(own)) else submask(plan.mask, own[lo:hi], kv_units, plan.unit, _host(plan))
         parts.append((int(starts[lo]), int(starts[hi] - starts[lo]), mask))
     return parts
 
@@ -190,7 +197,7 @@ def build(plan: Plan, rank: int) -> RankProgram:
     world = plan.world_size
     own = plan.rank_units(rank)
     local_len = plan.local_len(rank)
-    local = submask(plan.mask, own, own, plan.unit)
+    local = submask(plan.mask, own, own, plan.unit, _host(plan))
     raw = []
     for s in range(1, world):
         dst, src = (rank + s) % world, (rank - s) % world

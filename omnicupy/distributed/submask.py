@@ -15,7 +15,8 @@ stays CAUSAL; elsewhere its rule, ``q0 + r >= kv0 + c`` for the block's global f
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -27,8 +28,36 @@ _MASKED, _CAUSAL, _FULL, _PARTIAL = (int(t) for t in (BlockType.MASKED, BlockTyp
                                                        BlockType.PARTIAL))
 
 
-def _host(x: Any) -> Optional[np.ndarray]:
-    return None if x is None else np.asarray(arrays.to_numpy(x))
+@dataclass(frozen=True)
+class HostMetadata:
+    """A BlockMask's metadata as NumPy arrays, batch/head dims that every per-block array
+    broadcasts by stride 0 reduced to size 1 (``batch_heads`` keeps the mask's own sizes)."""
+
+    kv_num_blocks: np.ndarray
+    kv_indices: np.ndarray
+    block_mask_types: np.ndarray
+    partial_block_mask_indices: Optional[np.ndarray]
+    partial_block_masks: Optional[np.ndarray]
+    batch_heads: tuple[int, int]
+
+    @property
+    def copies(self) -> int:
+        """How many (batch, head) rows of the mask each stored row stands for."""
+        return (self.batch_heads[0] // self.kv_num_blocks.shape[0]) * (self.batch_heads[1] // self.kv_num_blocks.shape[1])
+
+
+def host_metadata(bm: BlockMask) -> HostMetadata:
+    """One host copy of ``bm``'s metadata (a device mask crosses the bus once, broadcast dims not at all)."""
+    per_bh = [a for a in (bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types, bm.partial_block_mask_indices)
+              if a is not None]
+    keep = tuple(slice(0, 1) if all(a.strides[d] == 0 for a in per_bh) else slice(None) for d in (0, 1))
+
+    def host(a, sliced=True):
+        return None if a is None else np.asarray(arrays.to_numpy(a[keep] if sliced else a))
+
+    return HostMetadata(host(bm.kv_num_blocks), host(bm.kv_indices), host(bm.block_mask_types),
+                        host(bm.partial_block_mask_indices), host(bm.partial_block_masks, sliced=False),
+                        tuple(int(n) for n in bm.kv_num_blocks.shape[:2]))
 
 
 def unit_blocks(units: np.ndarray, unit: int, block_size: int, seq_len: int) -> np.ndarray:
@@ -59,10 +88,12 @@ def _tail_last(units: np.ndarray, num_units: int, name: str) -> np.ndarray:
     return units
 
 
-def submask(bm: BlockMask, q_units: np.ndarray, kv_units: np.ndarray, unit: int) -> Optional[BlockMask]:
+def submask(bm: BlockMask, q_units: np.ndarray, kv_units: np.ndarray, unit: int,
+            host: Optional[HostMetadata] = None) -> Optional[BlockMask]:
     """The BlockMask of the queries of ``q_units`` against the keys of ``kv_units`` (each laid end to
     end in the given order), or None when no block of the pair carries work. ``unit`` must be a
-    multiple of both block sizes; a sequence's last unit may be short and must come last."""
+    multiple of both block sizes; a sequence's last unit may be short and must come last.
+    ``host``: ``host_metadata(bm)``, when the caller slices the same mask many times."""
     qbs, kbs = bm.q_block_size, bm.kv_block_size
     if unit % qbs or unit % kbs:
         raise ArgumentError(f"unit ({unit}) must be a multiple of the block sizes ({qbs}, {kbs})")
@@ -82,14 +113,10 @@ def submask(bm: BlockMask, q_units: np.ndarray, kv_units: np.ndarray, unit: int)
     kv_local = np.full(num_kv_blocks, -1, dtype=np.int64)
     kv_local[kv_blocks] = np.arange(kv_blocks.size)
 
-    nb, idx, types, pidx = (_host(a) for a in (bm.kv_num_blocks, bm.kv_indices, bm.block_mask_types,
-                                               bm.partial_block_mask_indices))
-    per_bh = [a for a in (nb, idx, types, pidx) if a is not None]
-    bh_shape = nb.shape[:2]
-    # Dims every array broadcasts by stride 0 are sliced once and broadcast back at the end.
-    keep = tuple(slice(0, 1) if all(a.strides[d] == 0 for a in per_bh) else slice(None) for d in (0, 1))
-    nb, idx, types = nb[keep][:, :, q_rows], idx[keep][:, :, q_rows], types[keep][:, :, q_rows]
-    pidx = None if pidx is None else pidx[keep][:, :, q_rows]
+    host = host_metadata(bm) if host is None else host
+    bh_shape = host.batch_heads  # dims the host copy reduced to 1 are broadcast back at the end
+    nb, idx, types = (a[:, :, q_rows] for a in (host.kv_num_blocks, host.kv_indices, host.block_mask_types))
+    pidx = None if host.partial_block_mask_indices is None else host.partial_block_mask_indices[:, :, q_rows]
 
     maxb = idx.shape[3]
     listed = np.arange(maxb) < nb[..., None]
@@ -107,7 +134,7 @@ def submask(bm: BlockMask, q_units: np.ndarray, kv_units: np.ndarray, unit: int)
     new_types[moved & (offset >= kbs - 1)] = _FULL
     kept &= ~(moved & (offset <= -qbs))
     cut = moved & (offset > -qbs) & (offset < kbs - 1)
-    pool = _host(bm.partial_block_masks)
+    pool = host.partial_block_masks
     if cut.any():
         offsets, which = np.unique(offset[cut], return_inverse=True)
         patterns = np.stack([causal_pattern(int(d), qbs, kbs) for d in offsets])
@@ -136,4 +163,4 @@ def submask(bm: BlockMask, q_units: np.ndarray, kv_units: np.ndarray, unit: int)
                      partial_block_masks=pool if has_partial else None)
 
 
-__all__ = ["submask", "unit_blocks", "causal_pattern"]
+__all__ = ["submask", "unit_blocks", "causal_pattern", "host_metadata", "HostMetadata"]
