@@ -8,10 +8,12 @@
     dq_r, dk_r, dv_r = dist.attention_backward(dout_r, q_r, k_r, v_r, out_r, lse_r, plan, comm)
     out = dist.unshard(out_r, plan, comm)
 
-Modules, each with one job: plan (the sharding planner, NumPy), submask (a BlockMask sliced to one
-rank's queries and one message's keys), program (what one rank sends, receives and computes),
-merge (exact LSE merging), comm (NCCL set-up and transfers), exchange (transfers overlapped with
-compute), attention (forward and backward), sharding (shard / unshard), model (the scaling model).
+Modules, each with one job: planner (who owns which tokens, who needs which K/V; NumPy), submask (a
+BlockMask sliced to some queries and one message's keys), steps (what one rank sends, receives and
+computes), merge (exact LSE merging), comm (NCCL set-up and transfers), exchange (transfers
+overlapped with compute), sharded_attention (forward and backward), sharding (shard / unshard),
+model (the scaling model; ``python -m omnicupy.distributed.model``). docs/context_parallel.md
+explains them.
 """
 from __future__ import annotations
 

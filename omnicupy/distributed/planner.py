@@ -10,7 +10,8 @@ Vocabulary:
   may be shorter (the sequence tail).
 - A **chunk** is a run of consecutive units owned by one rank; chunks differ by one unit at most.
   Every rank owns the same number of chunks (so about the same number of tokens: the layers around
-  attention, which cost per token, stay balanced too). A rank's **shard** is its chunks' tokens in increasing position.
+  attention, which cost per token, stay balanced too). A rank's **shard** is its chunks' tokens in
+  increasing position.
 - **Work** is counted in blocks weighted by type (``BLOCK_WEIGHTS``): a rank's work is the work of
   its queries' rows, since the rank that owns a query computes everything that query attends to.
 - **Need**: rank r needs unit u when some query of r attends to some key of u (any batch or head
@@ -26,7 +27,8 @@ that sends the fewest bytes from its busiest sender; if none is, the best balanc
 
 Schedule: at step s (1 <= s < W) rank r sends to rank (r + s) % W the units of its own that rank
 needs and receives from rank (r - s) % W; step 0 is the local block. ``ring`` runs those steps
-one after the other, overlapping each with the previous step's compute; ``allgather`` gathers
+one after the other (each a direct exchange between the two ranks, in ring order), overlapping
+each with the previous step's compute; ``allgather`` gathers
 every shard at once (one NCCL all-gather), chosen by ``schedule="auto"`` only when every rank
 needs every other rank's whole shard, so that skipping unneeded units would save nothing.
 """
