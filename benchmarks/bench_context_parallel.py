@@ -56,6 +56,13 @@ def mask_mod(name: str, n: int):
     raise ValueError(f"unknown mask {name!r}; choose from {MASKS}")
 
 
+def build_mask(name: str, n: int):
+    """The BlockMask of ``name`` at length n (built where the builders choose: the GPU here)."""
+    from omnicupy import BlockMask
+
+    return BlockMask.from_mask_mod(mask_mod(name, n), None, None, n, n)
+
+
 # ------------------------------------------------------------------------------ one rank
 class Timer:
     """Median over repeats of the slowest rank's CUDA-event time of ``fn()`` (one warm-up call)."""
@@ -144,13 +151,12 @@ def run_mask(name: str, args, comm) -> dict:
     cp = arrays.cupy_module()
 
     import omnicupy
-    from omnicupy import builders
     from omnicupy import distributed as dist
     from omnicupy.distributed import model
 
     n, heads, kv_heads, d = args.n, args.heads, args.kv_heads or args.heads, args.head_dim
     dtype = {"fp16": np.float16, "bf16": arrays.BFLOAT16}[args.dtype]
-    bm = builders.from_mask_mod(mask_mod(name, n), None, None, n, n, xp=np)
+    bm = build_mask(name, n)
     plan = dist.plan(bm, comm.size)
     prog = dist.program(plan, comm.rank)
     rng = np.random.default_rng(args.seed)

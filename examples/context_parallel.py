@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
 
 import omnicupy  # noqa: E402
-from omnicupy import arrays, builders, masks  # noqa: E402
+from omnicupy import BlockMask, arrays, masks  # noqa: E402
 
 
 def build_mask(name: str, n: int):
@@ -42,7 +42,7 @@ def build_mask(name: str, n: int):
     else:  # a VLM sequence: text causal, each 576-token image sees itself whole
         sizes = [512, 576] * (n // 1088 + 1)
         mod = masks.interleaved([("text" if i % 2 == 0 else "image", s) for i, s in enumerate(sizes)])
-    return builders.from_mask_mod(mod, None, None, n, n, xp=np)  # host metadata: the planner reads it
+    return BlockMask.from_mask_mod(mod, None, None, n, n)
 
 
 def main() -> int:

@@ -104,7 +104,7 @@ def run_case(case: Case, comm) -> dict:
     import cupy as cp
 
     import omnicupy
-    from omnicupy import builders, reference
+    from omnicupy import BlockMask, reference
     from omnicupy import distributed as dist
     from omnicupy.arrays import BFLOAT16
 
@@ -112,7 +112,7 @@ def run_case(case: Case, comm) -> dict:
     rng = np.random.default_rng(case.seed)
     n, D = case.n, HEAD_DIM
     mod = mask_mod(case.mask, n, case.seed)
-    bm = builders.from_mask_mod(mod, None, None, n, n, xp=np)
+    bm = BlockMask.from_mask_mod(mod, None, None, n, n)
     q = rng.standard_normal((1, case.heads, n, D)).astype(dtype)
     k, v = (rng.standard_normal((1, case.kv_heads, n, D)).astype(dtype) for _ in range(2))
     dout = rng.standard_normal((1, case.heads, n, D)).astype(dtype)

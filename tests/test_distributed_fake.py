@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import omnicupy
-from omnicupy import BlockMask, arrays, builders, masks, reference
-from omnicupy.distributed import merge, planner, sharded_attention, sharding
+from omnicupy import BlockMask, arrays, masks, reference
+from omnicupy.distributed import merge, planner, sharded_attention, sharding, steps
 
 import fake_devices as fd
+from distributed_cases import host_mask
 from mask_cases import alternating_segments, random_lengths
 
 SEED = 7_2026
@@ -20,12 +21,17 @@ SEED = 7_2026
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    cp = fd.FakeCupy()
-    monkeypatch.setattr(arrays, "cupy_module", lambda: cp)
-    monkeypatch.setattr(omnicupy, "attention", fd.fake_attention)
-    monkeypatch.setattr(omnicupy, "attention_backward", fd.fake_attention_backward, raising=False)
-    monkeypatch.setitem(merge._fused, "failed", True)  # no CUDA compiler behind the stand-ins: array expressions
-    return cp
+    """Call it to switch to the stand-ins (after building masks and plans, which use the real modules)."""
+
+    def activate():
+        cp = fd.FakeCupy()
+        monkeypatch.setattr(arrays, "cupy_module", lambda: cp)
+        monkeypatch.setattr(omnicupy, "attention", fd.fake_attention)
+        monkeypatch.setattr(omnicupy, "attention_backward", fd.fake_attention_backward, raising=False)
+        monkeypatch.setitem(merge._fused, "failed", True)  # no CUDA compiler behind the stand-ins
+        return cp
+
+    return activate
 
 
 CASES = [  # (mask, N, ranks, schedule, strategy, heads, kv heads)
@@ -51,7 +57,7 @@ def build(name, n):
         "blocks": masks.block_diagonal([256] * (n // 256)),
     }[name]
     qbs = 64 if name == "sliding" else 128
-    return builders.from_mask_mod(mod, None, None, n, n, q_block_size=qbs, kv_block_size=qbs, xp=np)
+    return host_mask(mod, n, q_block_size=qbs, kv_block_size=qbs)
 
 
 @pytest.mark.parametrize("name,n,world,schedule,strategy,heads,kv_heads", CASES)
@@ -65,6 +71,9 @@ def test_threads_match_the_whole_sequence(fake_gpu, name, n, world, schedule, st
     dout = rng.standard_normal((1, heads, n, D)).astype(np.float16)
     chunks = 4 if strategy == "lpt" else None
     plan = planner.plan(bm, world, schedule=schedule, strategy=strategy, chunks_per_rank=chunks)
+    for r in range(world):
+        steps.program(plan, r)  # built with the real modules
+    fake_gpu()
     fd_world = fd.World(world)
     comms = [fd.FakeComm(fd_world, r) for r in range(world)]
 
@@ -95,6 +104,8 @@ def test_threads_match_the_whole_sequence(fake_gpu, name, n, world, schedule, st
 def test_numpy_shards_give_numpy_results(fake_gpu):
     bm = BlockMask.causal(512, 512)
     plan = planner.plan(bm, 1)
+    steps.program(plan, 0)
+    fake_gpu()
     q = np.random.default_rng(SEED).standard_normal((1, 1, 512, 16)).astype(np.float16)
     out = sharded_attention.attention(q, q, q, plan, fd.FakeComm(fd.World(1), 0))
     assert type(out) is np.ndarray and out.dtype == np.float16
@@ -103,7 +114,7 @@ def test_numpy_shards_give_numpy_results(fake_gpu):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # transfers-only timing sends unset buffers
-def test_the_benchmark_runs_on_the_stand_ins(fake_gpu):
+def test_the_benchmark_runs_on_the_stand_ins(fake_gpu, monkeypatch):
     """benchmarks/bench_context_parallel.py's per-rank work, end to end on two threads (times are fake)."""
     import sys
     from argparse import Namespace
@@ -113,6 +124,8 @@ def test_the_benchmark_runs_on_the_stand_ins(fake_gpu):
     import bench_context_parallel as bench
 
     args = Namespace(n=1024, heads=1, kv_heads=1, head_dim=16, dtype="fp16", seed=SEED, repeats=1)
+    monkeypatch.setattr(bench, "build_mask", lambda name, n: host_mask(bench.mask_mod(name, n), n))
+    fake_gpu()
     world = fd.World(2)
     comms = [fd.FakeComm(world, r) for r in range(2)]
     rows = fd.run_ranks(2, lambda r: [bench.run_mask(name, args, comms[r]) for name in ("causal", "document")])

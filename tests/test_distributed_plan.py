@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnicupy import BlockMask, BlockType, builders, masks, reference
+from omnicupy import BlockMask, BlockType, masks, reference
 from omnicupy.distributed import comm as comm_module
 from omnicupy.distributed import errors, merge, model, planner, sharding, steps, submask
 from omnicupy.distributed import sharded_attention
 from omnicupy.errors import ArgumentError, MaskError
 
+from distributed_cases import host_mask, issue_mask
 from helpers import random_block_mask
 from mask_cases import alternating_segments, random_lengths
 
@@ -25,20 +26,6 @@ SEED = 20261124
 
 
 # ------------------------------------------------------------------------------ workloads
-def issue_mask(name: str, n: int, seed: int = 0):
-    """The issue's masks: causal, documents of 256-2048 tokens, sliding window 4096, text 512 / image 576."""
-    if name == "causal":
-        return masks.causal()
-    if name == "document":
-        lengths = np.random.default_rng(seed).integers(256, 2049, size=n // 256 + 1)
-        return masks.document(masks.doc_ids_from_lengths(lengths)[:n])
-    if name == "sliding_window_4096":
-        return masks.sliding_window(4096)
-    if name == "interleaved":
-        return masks.interleaved(alternating_segments(n, 512, 576))
-    raise ValueError(name)
-
-
 def small_mask(name: str, n: int, rng, qbs: int = 128, kbs: int = 128):
     """(BlockMask, dense bool mask [Bm, Hm, n, n]) for the small cases."""
     if name == "random_per_head":
@@ -51,7 +38,7 @@ def small_mask(name: str, n: int, rng, qbs: int = 128, kbs: int = 128):
         "prefix_lm_300": masks.prefix_lm(300),
         "full": masks.local_window(n, n),
     }
-    bm = builders.from_mask_mod(mods[name], None, None, n, n, q_block_size=qbs, kv_block_size=kbs, xp=np)
+    bm = host_mask(mods[name], n, q_block_size=qbs, kv_block_size=kbs)
     return bm, bm.to_dense()
 
 
@@ -86,7 +73,7 @@ def positions_by_rank(plan):
 def test_balance_at_8_ranks(name):
     """The issue's target: heaviest rank's block work <= 1.05 x the mean at 8 ranks, N = 131072."""
     n = 131072
-    bm = builders.from_mask_mod(issue_mask(name, n), None, None, n, n, xp=np)
+    bm = host_mask(issue_mask(name, n), n)
     plan = planner.plan(bm, 8)
     assert plan.imbalance <= 1.05, plan.summary()
     # the work is what the ranks' q units carry, counted independently from the block grid
@@ -115,7 +102,7 @@ def test_lpt_keeps_the_quota_and_refines():
 
 def test_equal_tokens_per_rank_and_every_unit_owned_once():
     n = 5000
-    bm = builders.from_mask_mod(masks.causal(), None, None, n, n, xp=np)
+    bm = host_mask(masks.causal(), n)
     for strategy in planner.STRATEGIES:
         plan = planner.plan(bm, 4, strategy=strategy)
         owned = np.concatenate(positions_by_rank(plan))
@@ -155,7 +142,7 @@ def test_needed_units_match_brute_force(name, n, world, qbs, kbs, strategy):
 def test_sliding_window_sends_only_the_window():
     """Issue target: sliding window 4096, N = 131072, 2 ranks: bytes sent per rank <= 2x the window's K/V."""
     n, window = 131072, 4096
-    bm = builders.from_mask_mod(masks.sliding_window(window), None, None, n, n, xp=np)
+    bm = host_mask(masks.sliding_window(window), n)
     plan = planner.plan(bm, 2)
     shapes = dict(batch=1, kv_heads=16, head_dim=128, itemsize=2)
     window_kv = 2 * window * 16 * 128 * 2
@@ -166,7 +153,7 @@ def test_sliding_window_sends_only_the_window():
 
 def test_chunk_no_query_attends_to_is_never_sent():
     n = 8192
-    bm = builders.from_mask_mod(masks.block_diagonal([2048] * 4), None, None, n, n, xp=np)
+    bm = host_mask(masks.block_diagonal([2048] * 4), n)
     plan = planner.plan(bm, 4, strategy="contiguous")
     assert all(plan.tokens_sent(r) == 0 for r in range(4))
     prog = steps.program(plan, 1)
@@ -205,7 +192,7 @@ def test_plan_needs_one_sequence():
 
 def test_plan_is_deterministic():
     n = 131072
-    bm = builders.from_mask_mod(issue_mask("document", n), None, None, n, n, xp=np)
+    bm = host_mask(issue_mask("document", n), n)
     a, b = planner.plan(bm, 8), planner.plan(bm, 8)
     assert np.array_equal(a.unit_owner, b.unit_owner) and a.strategy == b.strategy
 
@@ -557,7 +544,7 @@ def test_init_rejects_other_objects(monkeypatch):
 # ------------------------------------------------------------------------------- the model
 def test_exchange_work_splits_each_ranks_work():
     n = 131072
-    bm = builders.from_mask_mod(issue_mask("interleaved", n), None, None, n, n, xp=np)
+    bm = host_mask(issue_mask("interleaved", n), n)
     plan = planner.plan(bm, 8)
     np.testing.assert_allclose(plan.exchange_work.sum(axis=1), plan.rank_work)
     for r in range(8):  # a rank computes against another's keys exactly when it receives some
@@ -577,7 +564,7 @@ def test_model_two_gpus_causal_and_sliding_window():
     n = 131072
     causal = model.predict(planner.plan(BlockMask.causal(n, n), 2))
     assert 1.7 < causal.speedup <= 2.0 and causal.hidden > 0.9
-    bm = builders.from_mask_mod(masks.sliding_window(4096), None, None, n, n, xp=np)
+    bm = host_mask(masks.sliding_window(4096), n)
     window = model.predict(planner.plan(bm, 2), backward=True)
     assert window.comm_ms < 0.05 * window.compute_ms
 
@@ -602,7 +589,7 @@ def test_distributed_imports_no_torch_and_no_nccl():
 def test_remote_steps_compute_only_the_rows_that_attend():
     """A sliding window's message is computed (and merged) for the window's rows, not the shard's."""
     n, window = 131072, 4096
-    bm = builders.from_mask_mod(masks.sliding_window(window), None, None, n, n, xp=np)
+    bm = host_mask(masks.sliding_window(window), n)
     plan = planner.plan(bm, 2)
     prog = steps.program(plan, 1)
     (part,) = prog.steps[1].parts
@@ -642,8 +629,8 @@ extern "C" __global__ void merge(const T* o_part_, const float* lse_part_, const
 def test_broadcast_metadata_counts_once_and_scales():
     """Batch/head dims the builders broadcast by stride 0 are read once; the work counts every row."""
     n = 4096
-    one = builders.from_mask_mod(masks.sliding_window(300), None, None, n, n, xp=np)
-    wide = builders.from_mask_mod(masks.sliding_window(300), 2, 3, n, n, xp=np)
+    one = host_mask(masks.sliding_window(300), n)
+    wide = host_mask(masks.sliding_window(300), n, B=2, H=3)
     assert wide.kv_indices.strides[0] == 0 and wide.kv_indices.strides[1] == 0
     host = submask.host_metadata(wide)
     assert host.kv_indices.shape[:2] == (1, 1) and host.copies == 6 and host.batch_heads == (2, 3)

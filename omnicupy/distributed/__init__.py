@@ -20,11 +20,11 @@ from __future__ import annotations
 from .sharded_attention import attention, attention_backward
 from .comm import Communicator, detect_launch, from_unique_id, init
 from .errors import BackwardUnavailableError, DistributedError
-from .planner import BLOCK_WEIGHTS, Plan, plan
+from .planner import BLOCK_WEIGHTS, ShardPlan, plan
 from .steps import program
 from .sharding import gather_shards, shard, unshard
 
 __all__ = [
-    "attention", "attention_backward", "Communicator", "init", "from_unique_id", "detect_launch", "plan", "Plan",
+    "attention", "attention_backward", "Communicator", "init", "from_unique_id", "detect_launch", "plan", "ShardPlan",
     "program", "shard", "unshard", "gather_shards", "BLOCK_WEIGHTS", "DistributedError", "BackwardUnavailableError",
 ]

@@ -1,6 +1,6 @@
 """The scaling model: predicted time and efficiency of a plan from per-step compute and link bandwidth.
 
-Knows: a Plan's work between every pair of ranks (``exchange_work``) and the tokens each rank
+Knows: a ShardPlan's work between every pair of ranks (``exchange_work``) and the tokens each rank
 receives at each step, and a Machine's rates (attention FLOP/s per GPU, bytes/s per link, merge
 traffic through HBM, a fixed cost per step). Does not know GPUs: it is arithmetic, so the docs'
 table (``python -m omnicupy.distributed.model``) and the benchmark's prediction come from it.
@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from .planner import Plan
+from .planner import ShardPlan
 
 #: FLOPs per allowed (query, key) pair: two matmuls of 2 * D each (the project's effective count).
 FORWARD_FLOPS_PER_PAIR_PER_DIM = 4
@@ -84,7 +84,7 @@ class Prediction:
         return self.speedup / self.world_size
 
 
-def _pair_flops(plan: Plan, shapes: Shapes) -> float:
+def _pair_flops(plan: ShardPlan, shapes: Shapes) -> float:
     """FLOPs of one unit of block work: a weight-2 (FULL) block is q_block x kv_block allowed pairs."""
     pairs_per_work = plan.q_block_size * plan.kv_block_size / 2
     return pairs_per_work * FORWARD_FLOPS_PER_PAIR_PER_DIM * shapes.head_dim * shapes.batch * shapes.heads
@@ -95,7 +95,7 @@ def _link_gbs(machine: Machine, a: int, b: int) -> float:
     return machine.nvlink_gbs if same_node else machine.network_gbs
 
 
-def predict(plan: Plan, shapes: Shapes = Shapes(), machine: Machine = H200_NVLINK_IB, *,
+def predict(plan: ShardPlan, shapes: Shapes = Shapes(), machine: Machine = H200_NVLINK_IB, *,
             backward: bool = False) -> Prediction:
     """Predicted times of ``plan`` (forward, or forward+backward with ``backward``)."""
     world = plan.world_size
@@ -159,7 +159,7 @@ def causal_table(lengths=(131072, 262144, 524288, 1048576), worlds=(8, 16, 32, 6
                  machine: Machine = H200_NVLINK_IB) -> list[dict]:
     """Predicted efficiency of causal attention (zigzag plans) for the docs' table. The plans use
     coarse blocks (N / 512 tokens) so that they build in a moment; the work fractions barely move."""
-    from ..block_mask import BlockMask
+    from .. import BlockMask
     from .planner import plan as make_plan
 
     rows = []

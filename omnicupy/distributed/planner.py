@@ -40,10 +40,10 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from ..block_mask import BlockMask, BlockType, cdiv
+from .. import BlockMask, BlockType
 from ..checks import check_int, check_positive_float
 from ..errors import ArgumentError, MaskError
-from .submask import host_metadata
+from .submask import cdiv, host_metadata
 
 #: Relative cost of one listed block by type: CAUSAL blocks compute about half their elements.
 BLOCK_WEIGHTS: Mapping[BlockType, int] = {BlockType.MASKED: 0, BlockType.CAUSAL: 1, BlockType.FULL: 2,
@@ -101,7 +101,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ShardPlan:
     """Who owns which tokens and who sends what to whom, for one mask and one world size.
 
     Deterministic: every rank computes the same plan from the same mask, so nothing is exchanged.
@@ -243,7 +243,7 @@ class Plan:
 
 # ------------------------------------------------------------------------------ helpers
 def units_positions(units: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Token positions covered by ``units`` (in their order); ``starts`` from ``Plan.unit_starts``."""
+    """Token positions covered by ``units`` (in their order); ``starts`` from ``ShardPlan.unit_starts``."""
     units = np.asarray(units, dtype=np.int64)
     if not units.size:
         return np.zeros(0, dtype=np.int64)
@@ -446,7 +446,7 @@ def _choose(found: list[Candidate], max_imbalance: float) -> Candidate:
 
 def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = None,
          chunks_per_rank: Optional[int] = None, schedule: str = "auto",
-         max_imbalance: float = DEFAULT_MAX_IMBALANCE, weights: Optional[Mapping] = None) -> Plan:
+         max_imbalance: float = DEFAULT_MAX_IMBALANCE, weights: Optional[Mapping] = None) -> ShardPlan:
     """Plan context-parallel attention of ``block_mask`` over ``world_size`` ranks.
 
     ``strategy`` (``contiguous``, ``zigzag``, ``lpt``; None tries all) and ``chunks_per_rank`` pin
@@ -466,7 +466,7 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     if schedule == "auto":
         gather = world_size > 1 and needed_fraction(best.need, best.unit_owner, mw.unit_tokens) >= ALLGATHER_MIN_FRACTION
         schedule = "allgather" if gather else "ring"
-    result = Plan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
+    result = ShardPlan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
                   best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
                   mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, best.attends,
                   max_imbalance,
@@ -474,5 +474,5 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     return result
 
 
-__all__ = ["Plan", "Candidate", "MaskWork", "plan", "mask_work", "contiguous", "zigzag", "lpt", "units_positions",
+__all__ = ["ShardPlan", "Candidate", "MaskWork", "plan", "mask_work", "contiguous", "zigzag", "lpt", "units_positions",
            "unit_runs", "needed_fraction", "BLOCK_WEIGHTS", "STRATEGIES", "SCHEDULES", "ALLGATHER_MIN_FRACTION"]

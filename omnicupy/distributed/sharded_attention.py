@@ -1,4 +1,4 @@
-"""Context-parallel attention: forward and backward over a sequence sharded by a Plan.
+"""Context-parallel attention: forward and backward over a sequence sharded by a ShardPlan.
 
 Knows: the per-rank program (steps.py), the transfers (exchange.py), the merge (merge.py) and
 the single-GPU calls ``omnicupy.attention`` and ``omnicupy.attention_backward``. Does not know
@@ -29,7 +29,7 @@ from .comm import Communicator
 from .errors import BackwardUnavailableError, DistributedError
 from .exchange import KVExchange
 from .merge import merge_into
-from .planner import Plan
+from .planner import ShardPlan
 from .steps import Part, RankProgram, program
 
 
@@ -54,10 +54,10 @@ def _check_dtype(x: Any, name: str) -> None:
         raise ArgumentError(f"{name} must be float16 or bfloat16, got {x.dtype}")
 
 
-def _prepare(plan: Plan, comm: Communicator, q: Any, k: Any, v: Any) -> RankProgram:
+def _prepare(plan: ShardPlan, comm: Communicator, q: Any, k: Any, v: Any) -> RankProgram:
     """Every check that needs no GPU, before any transfer: the plan fits the communicator and the
     shards (arrays, see ``_array``) fit the plan."""
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, ShardPlan):
         raise ArgumentError(f"plan must come from omnicupy.distributed.plan(), got {type(plan).__name__}")
     if not isinstance(comm, Communicator):
         raise ArgumentError(f"comm must be an omnicupy.distributed.Communicator (distributed.init()), "
@@ -161,7 +161,7 @@ def forward_steps(q: Any, k: Any, v: Any, prog: RankProgram, exchange: Any, *, s
     return out, lse
 
 
-def attention(q: Any, k: Any, v: Any, plan: Plan, comm: Communicator, *, scale: Optional[float] = None,
+def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, scale: Optional[float] = None,
               return_lse: bool = False, stages: Optional[int] = None):
     """Attention of this rank's queries over the whole sharded sequence, under ``plan``'s mask.
 
@@ -259,7 +259,7 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
     return dq, dk, dv
 
 
-def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: Plan, comm: Communicator, *,
+def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: ShardPlan, comm: Communicator, *,
                        scale: Optional[float] = None, deterministic: bool = False):
     """Gradients ``(dq, dk, dv)`` of this rank's shards, from this rank's ``dout`` and the ``out`` and
     ``lse`` that ``attention(..., return_lse=True)`` returned for them. Every rank calls it with the

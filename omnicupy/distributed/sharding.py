@@ -1,7 +1,7 @@
 """Move arrays between sequence order and a plan's shards: ``shard``, ``unshard`` (NCCL all-gather)
 and ``gather_shards`` (on one process, from every rank's shard; for tests and examples).
 
-Knows: a Plan's runs (which positions each rank owns, in which order). Does not know attention.
+Knows: a ShardPlan's runs (which positions each rank owns, in which order). Does not know attention.
 The sequence axis is ``axis`` (2 for ``[B, H, N, D]`` and for an LSE ``[B, H, N]``).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from .. import arrays
 from ..errors import ArgumentError
 from .comm import Communicator
-from .planner import Plan
+from .planner import ShardPlan
 
 
 def _axis(x: Any, axis: int) -> int:
@@ -27,7 +27,7 @@ def _take(x: Any, axis: int, start: int, length: int) -> Any:
     return x[tuple(index)]
 
 
-def shard(x: Any, plan: Plan, rank: int, axis: int = 2) -> Any:
+def shard(x: Any, plan: ShardPlan, rank: int, axis: int = 2) -> Any:
     """Rank's shard of ``x`` (the whole sequence along ``axis``): its positions in shard order, as a
     new contiguous array of the same module (NumPy or CuPy)."""
     xp = arrays.array_namespace(x)
@@ -38,12 +38,12 @@ def shard(x: Any, plan: Plan, rank: int, axis: int = 2) -> Any:
     return xp.ascontiguousarray(xp.concatenate(pieces, axis=axis))
 
 
-def _check_shard(x: Any, plan: Plan, rank: int, axis: int) -> None:
+def _check_shard(x: Any, plan: ShardPlan, rank: int, axis: int) -> None:
     if x.shape[axis] != plan.local_len(rank):
         raise ArgumentError(f"rank {rank}'s shard holds {plan.local_len(rank)} positions, got {x.shape[axis]}")
 
 
-def gather_shards(shards: Sequence[Any], plan: Plan, axis: int = 2) -> Any:
+def gather_shards(shards: Sequence[Any], plan: ShardPlan, axis: int = 2) -> Any:
     """The whole sequence from every rank's shard (``shards[r]`` is rank r's), on this process."""
     if len(shards) != plan.world_size:
         raise ArgumentError(f"need {plan.world_size} shards, got {len(shards)}")
@@ -60,7 +60,7 @@ def gather_shards(shards: Sequence[Any], plan: Plan, axis: int = 2) -> Any:
     return whole
 
 
-def unshard(x: Any, plan: Plan, comm: Communicator, axis: int = 2) -> Any:
+def unshard(x: Any, plan: ShardPlan, comm: Communicator, axis: int = 2) -> Any:
     """The whole sequence on every rank from each rank's shard ``x`` (one NCCL all-gather on the
     current stream; shards are padded to the longest). CuPy in, CuPy out."""
     cp = arrays.cupy_module()

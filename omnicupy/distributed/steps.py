@@ -2,7 +2,7 @@
 tokens sit in the shards, and which of its queries it computes each message with, under which
 sub-mask.
 
-Knows: the Plan (planner.py) and how to slice its BlockMask (submask.py). Does not know: GPUs or
+Knows: the ShardPlan (planner.py) and how to slice its BlockMask (submask.py). Does not know: GPUs or
 NCCL; everything is host data, built once per (plan, rank) and cached on the plan, so the CPU
 tests can replay a whole distributed call with NumPy.
 
@@ -26,9 +26,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..block_mask import BlockMask
+from .. import BlockMask
 from ..errors import ArgumentError
-from .planner import Plan
+from .planner import ShardPlan
 from .submask import HostMetadata, host_metadata, submask
 
 Run = tuple[int, int, int]  # (offset in a shard or buffer, offset in another, length)
@@ -116,7 +116,7 @@ class RankProgram:
 
 
 # ------------------------------------------------------------------------------ helpers
-def _shard_offsets(plan: Plan, owner: int) -> np.ndarray:
+def _shard_offsets(plan: ShardPlan, owner: int) -> np.ndarray:
     """[U] offset of each of ``owner``'s units in its shard (other units: -1)."""
     offsets = np.full(plan.num_units, -1, dtype=np.int64)
     own = plan.rank_units(owner)
@@ -159,7 +159,7 @@ def _compact(runs: tuple[Run, ...], start: int) -> int:
     raise AssertionError(f"position {start} is in no run")  # the runs are built to cover it
 
 
-def _message(plan: Plan, step: int, owner: int, units: np.ndarray) -> Optional[Message]:
+def _message(plan: ShardPlan, step: int, owner: int, units: np.ndarray) -> Optional[Message]:
     if not units.size:
         return None
     runs = _runs_of(units, _shard_offsets(plan, owner), plan.unit_tokens)
@@ -168,14 +168,14 @@ def _message(plan: Plan, step: int, owner: int, units: np.ndarray) -> Optional[M
     return Message(step, owner, units, length, runs, whole)
 
 
-def _host(plan: Plan) -> HostMetadata:
+def _host(plan: ShardPlan) -> HostMetadata:
     """The plan's mask metadata on the host, fetched once per plan."""
     if "host" not in plan._cache:
         plan._cache["host"] = host_metadata(plan.mask)
     return plan._cache["host"]
 
 
-def _parts(plan: Plan, own: np.ndarray, kv_units: np.ndarray) -> list[tuple[int, int, BlockMask]]:
+def _parts(plan: ShardPlan, own: np.ndarray, kv_units: np.ndarray) -> list[tuple[int, int, BlockMask]]:
     """(q start, q length, sub-mask) of each run of consecutive local units that attends to ``kv_units``."""
     whole = submask(plan.mask, own, kv_units, plan.unit, _host(plan))
     if whole is None:
@@ -192,7 +192,7 @@ def _parts(plan: Plan, own: np.ndarray, kv_units: np.ndarray) -> list[tuple[int,
     return parts
 
 
-def build(plan: Plan, rank: int) -> RankProgram:
+def build(plan: ShardPlan, rank: int) -> RankProgram:
     """The program of ``rank`` (uncached; ``program`` caches it on the plan)."""
     world = plan.world_size
     own = plan.rank_units(rank)
@@ -217,7 +217,7 @@ def build(plan: Plan, rank: int) -> RankProgram:
                        tuple(steps), touched, returned)
 
 
-def program(plan: Plan, rank: int) -> RankProgram:
+def program(plan: ShardPlan, rank: int) -> RankProgram:
     """The program of ``rank``, built on first use and cached on the plan."""
     if plan.mask is None:
         raise ArgumentError("this plan carries no BlockMask; build it with omnicupy.distributed.plan(block_mask, ...)")

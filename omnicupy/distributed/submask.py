@@ -20,9 +20,14 @@ from typing import Optional
 
 import numpy as np
 
-from .. import arrays
-from ..block_mask import BlockMask, BlockType, cdiv
+# Top-level names only: the mask modules' paths inside the package are being reorganized.
+from .. import BlockMask, BlockType, arrays
 from ..errors import ArgumentError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 
 _MASKED, _CAUSAL, _FULL, _PARTIAL = (int(t) for t in (BlockType.MASKED, BlockType.CAUSAL, BlockType.FULL,
                                                        BlockType.PARTIAL))
@@ -163,4 +168,4 @@ def submask(bm: BlockMask, q_units: np.ndarray, kv_units: np.ndarray, unit: int,
                      partial_block_masks=pool if has_partial else None)
 
 
-__all__ = ["submask", "unit_blocks", "causal_pattern", "host_metadata", "HostMetadata"]
+__all__ = ["submask", "unit_blocks", "causal_pattern", "host_metadata", "HostMetadata", "cdiv"]
