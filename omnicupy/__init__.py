@@ -28,7 +28,7 @@ __all__ = [
     "ArgumentError", "CompileError", "KVCacheError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 
-_LAZY_SUBMODULES = {"masks", "mask", "cli", "jit", "dispatch", "ops", "score_mods"}
+_LAZY_SUBMODULES = {"masks", "mask", "cli", "jit", "dispatch", "ops", "score_mods", "distributed"}
 
 
 def __getattr__(name: str):
