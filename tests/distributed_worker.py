@@ -52,9 +52,9 @@ CASES = [
     Case("causal-fp16-allgather", "causal", schedule="allgather"),
     Case("document-fp16-lpt", "document", strategy="lpt"),
     Case("full-fp16-auto-allgather", "full", n=8192),
-    Case("causal-fp16-N1000-float64", "causal", n=1000, heads=2, float64=True),
+    Case("causal-fp16-N1000-float64", "causal", n=1000, heads=2, kv_heads=2, float64=True),
     Case("document-fp16-N1900-float64", "document", n=1900, heads=2, kv_heads=1, float64=True),
-    Case("interleaved-bf16-N2000-float64", "interleaved", "bf16", n=2000, heads=2, float64=True),
+    Case("interleaved-bf16-N2000-float64", "interleaved", "bf16", n=2000, heads=2, kv_heads=2, float64=True),
 ]
 
 
