@@ -1,6 +1,6 @@
 """Slice a BlockMask to a rank's queries against one message of keys, at block granularity.
 
-Knows: the BlockMask layout (DESIGN.md §1) and units (planner.py): the local queries are some units
+Knows: the BlockMask layout (docs/design.md, "Block mask metadata") and units (planner.py): the local queries are some units
 of the sequence laid end to end, and so are the keys of a message. Does not know: ranks, steps,
 GPUs (everything here is NumPy on a host copy of the metadata; the result uploads itself on its
 first ``attention`` call like any BlockMask).
