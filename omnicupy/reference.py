@@ -211,6 +211,19 @@ class _Prepared:
         return pre, np.where(allowed, s, -np.inf), allowed
 
 
+def _softmax(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax of masked scores (-inf where disallowed) and its natural-log LSE; a row with no
+    allowed key gives probabilities 0 and LSE -inf."""
+    row_max = s.max(axis=1, keepdims=True)
+    has_any = np.isfinite(row_max)
+    shift = np.where(has_any, row_max, 0.0)
+    p = np.exp(s - shift)
+    denom = p.sum(axis=1, keepdims=True)
+    safe = np.where(denom > 0, denom, 1.0)
+    lse = np.where(has_any[:, 0], np.log(safe[:, 0]) + shift[:, 0], -np.inf)
+    return np.where(has_any, p / safe, 0.0), lse
+
+
 def attention(
     q: Any,
     k: Any,
@@ -240,13 +253,8 @@ def attention(
         for h in range(Hq):
             hk = h // group
             _, s, _ = prep.scores(b, h, score_mod)
-            row_max = s.max(axis=1, keepdims=True)
-            has_any = np.isfinite(row_max)
-            p = np.exp(s - np.where(has_any, row_max, 0.0))
-            denom = p.sum(axis=1, keepdims=True)
-            safe = np.where(denom > 0, denom, 1.0)
-            out[b, h] = np.where(has_any, (p / safe) @ v64[b, hk], 0.0)
-            lse[b, h] = np.where(has_any[:, 0], np.log(safe[:, 0]) + np.where(has_any, row_max, 0.0)[:, 0], -np.inf)
+            p, lse[b, h] = _softmax(s)
+            out[b, h] = p @ v64[b, hk]
     return (out, lse) if return_lse else out
 
 
@@ -289,10 +297,7 @@ def attention_backward(
         for h in range(Hq):
             hk = h // group
             pre, s, _ = prep.scores(b, h, score_mod)
-            row_max = s.max(axis=1, keepdims=True)
-            has_any = np.isfinite(row_max)
-            p = np.exp(s - np.where(has_any, row_max, 0.0))
-            p = p / np.where(has_any, p.sum(axis=1, keepdims=True), 1.0)  # empty rows: p is all 0
+            p, _ = _softmax(s)
             dp = do64[b, h] @ v64[b, hk].T
             delta = (p * dp).sum(axis=1, keepdims=True)  # = rowsum(dO * O)
             ds = p * (dp - delta)

@@ -54,6 +54,21 @@ def random_qkv(rng, B, Hq, Nq, D, dtype="fp16", Hkv=None, Nkv=None):
     return q, k, v
 
 
+def device_view(x, layout: str = "contiguous"):
+    """A device copy of x: contiguous; "bnhd", a [B, N, H, D] buffer viewed as [B, H, N, D] (strides not
+    those of a contiguous array); "reversed", negative sequence strides."""
+    import cupy as cp
+
+    if layout == "contiguous":
+        return cp.asarray(x)
+    if layout == "bnhd":
+        return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert layout == "reversed", layout
+    view = cp.asarray(np.ascontiguousarray(x[:, :, ::-1]))[:, :, ::-1]
+    assert view.strides[2] < 0
+    return view
+
+
 def pack_bits(bits: np.ndarray) -> np.ndarray:
     """bool [rows, cols] -> uint32 [rows, cols/32], bit c of word w = column 32w + c."""
     packed = np.packbits(bits, axis=-1, bitorder="little")
@@ -142,18 +157,7 @@ def run_and_check(q, k, v, dense, dtype, *, block_mask=None, causal=False, stage
     output buffer, and compare output and LSE with the float64 reference. Returns (error, output)."""
     import cupy as cp
 
-    def device(x):
-        if layout == "contiguous":
-            return cp.asarray(x)
-        if layout == "bnhd":
-            # A [B, N, H, D] buffer viewed as [B, H, N, D]: strides are not those of a contiguous array.
-            return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-        assert layout == "reversed", layout
-        view = cp.asarray(np.ascontiguousarray(x[:, :, ::-1]))[:, :, ::-1]
-        assert view.strides[2] < 0
-        return view
-
-    qd, kd, vd = device(q), device(k), device(v)
+    qd, kd, vd = (device_view(x, layout) for x in (q, k, v))
     out = cp.full(q.shape, np.nan, dtype=q.dtype)  # poisoned: every element must be written
     got, lse = omnicupy.attention(qd, kd, vd, block_mask, causal=causal, stages=stages, scale=scale,
                                   return_lse=True, out=out, bias=bias, score_mod=score_mod, fuse_mask=fuse_mask)

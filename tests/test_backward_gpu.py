@@ -16,7 +16,7 @@ import omnicupy
 from omnicupy import BlockMask, reference, score_mods
 from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
 
-from helpers import TOLERANCE, random_block_mask, random_qkv
+from helpers import TOLERANCE, device_view, random_block_mask, random_qkv
 from mask_cases import MASK_CASES
 
 pytestmark = pytest.mark.gpu
@@ -29,18 +29,6 @@ GRAD_TOLERANCE = TOLERANCE
 
 def new_seed() -> int:
     return int(np.random.SeedSequence().entropy % (2**31))
-
-
-def device_view(x, layout):
-    """A device copy of x: contiguous, a [B, N, H, D] buffer viewed as BHND, or negative sequence strides."""
-    if layout == "contiguous":
-        return cp.asarray(x)
-    if layout == "bnhd":
-        return cp.ascontiguousarray(cp.asarray(x).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    assert layout == "reversed", layout
-    view = cp.asarray(np.ascontiguousarray(x[:, :, ::-1]))[:, :, ::-1]
-    assert view.strides[2] < 0
-    return view
 
 
 def check_backward(seed, q, k, v, dense, dtype, *, block_mask=None, causal=False, scale=None, bias=None,
