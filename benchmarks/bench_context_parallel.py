@@ -157,7 +157,7 @@ def run_mask(name: str, args, comm) -> dict:
     n, heads, kv_heads, d = args.n, args.heads, args.kv_heads or args.heads, args.head_dim
     dtype = {"fp16": np.float16, "bf16": arrays.BFLOAT16}[args.dtype]
     bm = build_mask(name, n)
-    plan = dist.plan(bm, comm.size)
+    plan = dist.plan(bm, comm.size, strategy=args.strategy)
     prog = dist.program(plan, comm.rank)
     rng = np.random.default_rng(args.seed)
     q = cp.asarray(rng.standard_normal((1, heads, n, d)).astype(dtype))
@@ -313,6 +313,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--strategy", choices=["contiguous", "zigzag", "lpt"], default=None,
+                        help="pin the planner's assignment (default: the planner chooses)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=3000, help="seconds for the whole run")

@@ -29,7 +29,9 @@ def test_plan_names_family_tile_and_why(arch, head_dim, family):
     plan = omnicupy.plan(*qkv(d=head_dim), causal=True, arch=arch)
     assert isinstance(plan, Plan) and plan.operation == "forward"
     assert plan.variant.family == family and plan.variant.head_dim == head_dim
-    assert plan.grid == (-(-300 // plan.variant.br), 2, 1) and plan.block == (plan.variant.threads, 1, 1)
+    tiles = -(-300 // plan.variant.br)
+    expected = (min(tiles * 2, 132), 1, 1) if family == "tma" else (tiles, 2, 1)  # tma: flat tile index
+    assert plan.grid == expected and plan.block == (plan.variant.threads, 1, 1)
     assert plan.smem_bytes == plan.variant.smem_bytes and plan.kernel in str(plan)
     assert {"wgmma": "wgmma", "tma": "tma", "sync": "mma.sync"}[family] in plan.reason
 
@@ -41,6 +43,27 @@ def test_plan_reports_the_launch_order_of_uneven_masks():
     assert plan.q_tile_order is not None and sorted(plan.q_tile_order) == list(range(plan.grid[0]))
     assert "heaviest" in str(plan)
     assert omnicupy.plan(*qkv(), causal=True, arch="sm_90").q_tile_order is None  # the kernel's own order
+
+
+@pytest.mark.parametrize("head_dim, n, heads, persistent, grid_x, lists", [
+    pytest.param(128, 8192, 16, True, 132, True, id="d128-causal-persistent-lpt"),
+    pytest.param(64, 1024, 2, True, 16, False, id="d64-fewer-tiles-than-sms"),
+    pytest.param(256, 8192, 4, False, 256, False, id="d256-no-room-one-cta-per-tile"),
+])
+def test_tma_plan_grid(monkeypatch, head_dim, n, heads, persistent, grid_x, lists):
+    from omnicupy.dispatch import arch as arch_mod, plan as plan_mod
+
+    monkeypatch.setattr(arch_mod, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(plan_mod, "sm_count", lambda: 132)
+    plan = plan_mod.plan_forward(head_dim=head_dim, dtype="fp16", batch=1, heads=heads,
+                                 block_mask=BlockMask.causal(n, n), stages=None, bias=None, mask_expr=None,
+                                 score_expr=None, arch="sm_90", family="tma")
+    assert plan.variant.family == "tma" and plan.variant.persistent == persistent
+    assert plan.grid == (grid_x, 1, 1) and ("persistent CTAs, one per SM" in plan.reason) == persistent
+    assert (plan.cta_tiles is not None) == lists
+    if lists:
+        offsets, tiles = plan.cta_tiles
+        assert offsets.size == grid_x + 1 and tiles.size == (n // plan.variant.br) * heads
 
 
 def test_plan_follows_mma_override(monkeypatch):

@@ -60,3 +60,47 @@ def test_schedule_environment_value(monkeypatch):
         env.schedule()
     monkeypatch.setenv("OMNICUPY_SCHEDULE", "natural")
     assert env.schedule() == "natural"
+
+
+def _loads(work_by_rank: np.ndarray, flat_tiles: np.ndarray, q_tiles: int) -> np.ndarray:
+    return work_by_rank[flat_tiles % q_tiles]
+
+
+@pytest.mark.parametrize("n,batch,heads,ctas", [
+    (8192, 1, 16, 132),    # causal, 128 tiles per head: 2048 tiles on 132 SMs
+    (1000, 3, 5, 7),       # a partial last tile, odd counts
+    (4096, 2, 1, 33),
+])
+def test_cta_tile_lists_partition_and_balance_causal(n, batch, heads, ctas):
+    bm, br = BlockMask.causal(n, n), 128
+    q_tiles = -(-n // br)
+    offsets, tiles = schedule.cta_tile_lists(bm, br, batch, heads, ctas)
+    total = q_tiles * batch * heads
+    assert offsets.dtype == np.int32 and tiles.dtype == np.int32
+    assert offsets[0] == 0 and offsets[-1] == total and offsets.size == ctas + 1 and np.all(np.diff(offsets) >= 0)
+    assert sorted(tiles.tolist()) == list(range(total))  # every tile exactly once
+    for c in range(ctas):  # each CTA walks its tiles in flat order (heads together, K/V shared in L2)
+        own = tiles[offsets[c]:offsets[c + 1]]
+        assert np.all(np.diff(own) > 0)
+    # work by rank: rank r runs q tile q_tiles - 1 - r (the causal default order, heaviest first)
+    ranked = np.arange(q_tiles - 1, -1, -1) * br // bm.q_block_size
+    work = schedule.q_block_work(bm)[ranked]
+    lpt = np.add.reduceat(_loads(work, tiles, q_tiles), offsets[:-1]) if total else None
+    stride = np.bincount(np.arange(total) % ctas, weights=_loads(work, np.arange(total), q_tiles), minlength=ctas)
+    assert lpt.max() <= stride.max() and lpt.max() <= lpt.mean() + work.max()  # LPT bound: mean + one tile
+
+
+@pytest.mark.parametrize("make", [
+    lambda: BlockMask.full(4096, 4096),                # every tile costs the same: grid stride is exact
+    lambda: BlockMask.causal(256, 256),                # fewer tiles than CTAs
+])
+def test_cta_tile_lists_none_when_grid_stride_is_exact(make):
+    assert schedule.cta_tile_lists(make(), 128, 1, 2, 4 if make().q_len == 256 else 132) is None
+
+
+def test_cta_tile_lists_cached_and_capped(monkeypatch):
+    bm = BlockMask.causal(4096, 4096)
+    first = schedule.cta_tile_lists(bm, 128, 1, 8, 132)
+    assert schedule.cta_tile_lists(bm, 128, 1, 8, 132) is first
+    monkeypatch.setattr(schedule, "MAX_ASSIGNED_TILES", 100)
+    assert schedule.cta_tile_lists(bm, 128, 1, 8, 131) is None  # 256 tiles > cap: grid stride

@@ -29,10 +29,33 @@ def arch_of_device(device_id: int) -> str:
     return device_arch(device_id)
 
 
+#: Multiprocessors assumed when planning without a GPU (H100 SXM / H200; the others' counts differ
+#: but a persistent launch of more CTAs than SMs is only a second, short wave).
+DEFAULT_SM_COUNT = 132
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    from .. import arrays
+
+    cp = arrays.cupy_module()
+    return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def sm_count() -> int:
+    """The current device's multiprocessors (asked once per device), or DEFAULT_SM_COUNT without one."""
+    try:
+        from .. import arrays
+
+        return _sm_count(arrays.cupy_module().cuda.runtime.getDevice())
+    except Exception:  # noqa: BLE001 - no CuPy, driver or device: planning on the CPU
+        return DEFAULT_SM_COUNT
+
+
 def current_arch() -> str:
     from .. import arrays
 
     return arch_of_device(arrays.cupy_module().cuda.runtime.getDevice())
 
 
-__all__ = ["has_wgmma", "smem_limit", "arch_of_device", "current_arch", "SMEM_LIMITS"]
+__all__ = ["has_wgmma", "smem_limit", "arch_of_device", "current_arch", "sm_count", "SMEM_LIMITS"]

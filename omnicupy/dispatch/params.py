@@ -169,6 +169,9 @@ COMBINE = ParamStruct("CombineParams", (
 #: TMA tensor map per input (omnicupy/ops/tma.py encodes them). The kernel hands TMA the address of
 #: the map inside the __grid_constant__ parameter, never of a copy.
 FORWARD_TMA = ParamStruct("FwdTmaParams", FORWARD.params + (
+    Param("batch", "i32", doc="B: persistent CTAs walk flat tile indices over q tiles x Hq x B"),
+    Param("cta_tiles", "ptr", "const int*", doc="[gridDim.x + 1] offsets into tile_list per CTA, or null: grid stride"),
+    Param("tile_list", "ptr", "const int*", doc="[B * Hq * q tiles] flat tiles, CTA by CTA (schedule.cta_tile_lists)"),
     Param("q_map", "tmap", doc="q as (D, Nq, Hq, B), box (64, br, 1, 1), 128-byte swizzle"),
     Param("k_map", "tmap", doc="k as (D, Nkv, Hkv, B), box (64, bc, 1, 1)"),
     Param("v_map", "tmap", doc="v as (D, Nkv, Hkv, B), box (64, bc, 1, 1)"),

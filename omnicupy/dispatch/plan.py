@@ -13,13 +13,16 @@ from typing import Optional
 
 import numpy as np
 
+from ..errors import SizeLimitError
 from ..jit import env
 from ..mask import BlockMask, cdiv
 from . import schedule, tiles
-from .arch import has_wgmma
+from .arch import has_wgmma, sm_count
 from .variant import Variant
 
 MAX_GRID_YZ = 65535
+#: The tma family's flat tile index is an int32 (and grid.x at most 2^31 - 1).
+MAX_FLAT_TILES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class Plan:
     q_tile_order: Optional[np.ndarray]
     arch: Optional[str]
     reason: str
+    #: tma, persistent CTAs: host int32 (offsets [grid x + 1], flat tiles) from
+    #: schedule.cta_tile_lists, or None: grid stride over the flat tiles.
+    cta_tiles: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     @property
     def operation(self) -> str:
@@ -61,7 +67,9 @@ def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
         how = "OMNICUPY_MMA=tma" if family == "tma" else "measured faster than wgmma at this head dim"
         return (f"tma: the device is sm_90 and {how}; tile {variant.br}x{variant.bc} (TMA producer warpgroup, "
                 f"{variant.br // 64} consumer warpgroups"
-                + (", ping-pong" if variant.pingpong else "") + ") divides the mask's blocks")
+                + (", ping-pong" if variant.pingpong else "") + ") divides the mask's blocks; "
+                + ("persistent CTAs, one per SM" if variant.persistent else "one CTA per tile (no room for "
+                   "persistent CTAs' staging rows)"))
     if variant.family == "wgmma":
         return (f"wgmma: the device is sm_90 and the tuned Hopper tile {variant.br}x{variant.bc} divides the mask's "
                 f"blocks" + (" (no P V overlap: per-score extras need its registers)" if extras else ""))
@@ -82,9 +90,19 @@ def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mas
                                    bm.features.partial, bias=bias, mask_expr=mask_expr, score_expr=score_expr,
                                    arch=arch, family=family)
     order = schedule.launch_order(bm, variant.br)
-    return Plan(variant=variant, grid=(cdiv(bm.q_len, variant.br), heads, batch), block=(variant.threads, 1, 1),
+    q_tiles = cdiv(bm.q_len, variant.br)
+    grid, cta_tiles = (q_tiles, heads, batch), None
+    if variant.family == "tma":  # flat tile indices; persistent CTAs: one per SM, looping over tiles
+        flat = q_tiles * heads * batch
+        if flat > MAX_FLAT_TILES:
+            raise SizeLimitError(f"{flat} q tiles (q tiles x heads x batch) exceed the tma kernel's flat tile index "
+                                 f"(at most {MAX_FLAT_TILES})")
+        grid = (min(flat, sm_count()) if variant.persistent else flat, 1, 1)
+        if variant.persistent:
+            cta_tiles = schedule.cta_tile_lists(bm, variant.br, batch, heads, grid[0])
+    return Plan(variant=variant, grid=grid, block=(variant.threads, 1, 1),
                 smem_bytes=variant.smem_bytes, q_tile_order=order, arch=arch,
-                reason=_why(variant, arch, bias is not None or score_expr is not None))
+                reason=_why(variant, arch, bias is not None or score_expr is not None), cta_tiles=cta_tiles)
 
 
 def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block_mask: BlockMask,

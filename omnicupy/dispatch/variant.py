@@ -57,6 +57,8 @@ SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled til
 #: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
 TMA_PRODUCER_WARPS = 4
 TMA_BARRIER_BYTES = 128
+#: Shared memory a persistent tma CTA may use: sm_90's opt-in limit per block (227 KB).
+TMA_PERSISTENT_SMEM = 232448
 
 
 @dataclass(frozen=True, order=True)
@@ -191,6 +193,15 @@ class Variant:
         )
 
     @property
+    def persistent(self) -> bool:
+        """tma: whether the epilogue's staging rows fit beside Q and the ring (sm_90's shared memory),
+        so that a CTA may loop over tiles (persistent CTAs, one per SM); else one CTA per tile."""
+        if self.family != "tma":
+            return False
+        base = SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
+        return base + self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2 <= TMA_PERSISTENT_SMEM
+
+    @property
     def threads(self) -> int:
         return 32 * self.warps
 
@@ -205,7 +216,9 @@ class Variant:
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
         Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows)."""
         if self.family == "tma":
-            return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
+            base = SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
+            staging = self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2
+            return base + staging if self.persistent else base
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2

@@ -105,6 +105,18 @@ def _device_order(bm: BlockMask, plan: Plan):
     return bm._tile_orders[key]
 
 
+def _device_cta_tiles(bm: BlockMask, plan: Plan) -> dict[str, Any]:
+    """The plan's per-CTA tile lists on the current device (uploaded once per device and plan)."""
+    if plan.cta_tiles is None:
+        return {"cta_tiles": None, "tile_list": None}
+    cp = arrays.cupy_module()
+    key = ("device", cp.cuda.runtime.getDevice(), "cta_tiles", id(plan.cta_tiles[1]))
+    if key not in bm._tile_orders:
+        bm._tile_orders[key] = tuple(arrays.upload(a) for a in plan.cta_tiles)
+    offsets, tiles = bm._tile_orders[key]
+    return {"cta_tiles": offsets, "tile_list": tiles}
+
+
 def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras: Extras = Extras()) -> recall.Recipe:
     try:
         kernel = jit.get_kernel(plan.variant)
@@ -135,7 +147,8 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
     params, maps = struct_for(plan.operation, plan.variant.family), None
     if plan.variant.family == "tma":  # TMA tensor maps of q, k, v (ops/tma.py; cached per buffer)
         maps = tma.MapWriter.make(plan.variant, inp.q, inp.k, inp.v, inp.dtype)
-        fields.update(maps.fields(inp.q.data.ptr, inp.k.data.ptr, inp.v.data.ptr))
+        fields.update(maps.fields(inp.q.data.ptr, inp.k.data.ptr, inp.v.data.ptr), batch=inp.batch,
+                      **_device_cta_tiles(bm, plan))
     kernel(plan.grid, plan.block, (params.pack(fields),), shared_mem=plan.smem_bytes)
     return recall.Recipe.make(kernel, plan, fields, params, maps)
 
