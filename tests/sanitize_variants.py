@@ -42,7 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="32,64,96,128,256")
     ap.add_argument("--n", type=int, default=261)
     ap.add_argument("--families", default="sync,wgmma", help="kernel families (wgmma and tma run on sm_90 only)")
+    ap.add_argument("--ctas", type=int, default=0,
+                    help="plan persistent tma launches with this many CTAs (small: each CTA loops over tiles)")
     args = ap.parse_args(argv)
+    if args.ctas:
+        from omnicupy.dispatch import plan as plan_module
+
+        plan_module.sm_count = lambda: args.ctas
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
     families = tuple(args.families.split(","))
     if not has_wgmma(omnicupy.jit.device_arch()):
