@@ -133,7 +133,8 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     lse_log2 = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
     delta = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
-    dq_accum = cp.empty((B, Hq, Nq, D), dtype=np.float32)  # zeroed by the preprocess kernel
+    # zeroed by the preprocess kernel; rows of the tile's head dim (wider than D when padded)
+    dq_accum = cp.empty((B, Hq, Nq, variant.head_dim), dtype=np.float32)
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
     semaphore = cp.zeros((B, Hq, q_len_pad // variant.br, passes), dtype=np.int32) if deterministic else None
     index = backward_index(bm)
