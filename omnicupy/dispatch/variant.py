@@ -27,6 +27,8 @@ TILE_HEAD_DIMS = SUPPORTED_HEAD_DIMS
 #: D % 8 == 0: every 16-byte chunk of a row (8 fp16/bf16 elements) is wholly real or wholly padding.
 HEAD_DIM_STEP = 8
 MAX_HEAD_DIM = 256
+#: Every head dim a call may have (the CLI's choices).
+ACCEPTED_HEAD_DIMS = tuple(range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
 SUPPORTED_DTYPES = ("fp16", "bf16")
 SUPPORTED_STAGES = (1, 2)
 #: Elements of padding per shared-memory row of the mma.sync family (keeps ldmatrix conflict-free).
