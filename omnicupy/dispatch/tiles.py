@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 from ..errors import ArgumentError, VariantError
 from ..jit import env
 from .arch import has_wgmma
-from .variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant, check_head_dim, tile_head_dim
+from .variant import SUPPORTED_HEAD_DIMS, Variant, check_head_dim, tile_head_dim
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         raise CompileError(f"the CUDA expression(s) {exprs} (or the score derivative {extras.score_grad!r}) "
                            f"did not compile:\n{exc}") from None
     variant = plan.variant
-    B, Hq, Nq, D = inp.batch, inp.heads, inp.q_len, inp.head_dim
+    B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     lse_log2 = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
     delta = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
