@@ -95,7 +95,20 @@ def test_forward(monkeypatch, head_dim, dtype, mask_kind, family):
     plan = omnicupy.plan(qd, kd, vd, bm, causal=causal)
     assert plan.variant.family == family and plan.variant.real_head_dim == head_dim, plan.describe()
     assert plan.variant.padded
-    run_and_check(q, k, v, dense, dtype, block_mask=bm, causal=causal)
+    # stored PARTIAL bits (the precompiled kernels); the fused expression is test_forward_fused_mask's
+    run_and_check(q, k, v, dense, dtype, block_mask=bm, causal=causal, fuse_mask=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head_dim", [40, 192])
+def test_forward_fused_mask(monkeypatch, head_dim, family):
+    """The document mask's expression evaluated in PARTIAL blocks instead of stored bits."""
+    require_family(family, head_dim)
+    monkeypatch.setenv("OMNICUPY_MMA", family)
+    rng = seeded_rng()
+    q, k, v = random_qkv(rng, 1, 2, 333, head_dim, "bf16")
+    bm, causal, dense = mask_for("document", rng, 333)
+    run_and_check(q, k, v, dense, "bf16", block_mask=bm, fuse_mask=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

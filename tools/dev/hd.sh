@@ -11,7 +11,9 @@
 #      paged (NHD/HND) and varlen for D = 40/80/192; float64 references, NaN-poisoned outputs, seeds logged
 #   3. compute-sanitizer memcheck of tests/sanitize_head_dims.py (one padded forward per family,
 #      backward at D = 80 and 192, decode + combine at D = 40, paged at D = 192)
-#   4. a summary table (last)
+#   4. tools/dev/hd_time.py: causal fp16 forward time of D = 40/80/104/136/192 beside their tiles'
+#      (64/96/128/256), N = 4096, B = 2, H = 16 (for NOTES.md §13; kernels JIT-compiled on first use)
+#   5. a summary table (last)
 # Logs: $OUT/*.log.
 set -u
 cd "$(dirname "$0")/../.."
@@ -50,10 +52,15 @@ else
   RC[memcheck]=127
 fi
 
+echo "[$(elapsed)s] timing (padded vs tile head dims)"
+timeout 150 $PY tools/dev/hd_time.py >"$OUT/time.log" 2>&1
+RC[timing]=$?
+cat "$OUT/time.log" | tail -7
+
 echo "[$(elapsed)s] summary"
 {
   printf "%-24s %s\n" "step" "exit code (0 = pass)"
-  for step in precompile_fwd precompile_bwd_decode pytest memcheck; do
+  for step in precompile_fwd precompile_bwd_decode pytest memcheck timing; do
     printf "%-24s %s\n" "$step" "${RC[$step]}"
   done
   printf "%-24s %s\n" "pytest" "$(grep -E '^[0-9]+ (passed|failed)|[0-9]+ passed|[0-9]+ failed' "$OUT/pytest.log" | tail -1)"
