@@ -22,7 +22,7 @@
 // contraction runs over kv rows that belong to different warps.
 //
 // Plain CUDA, templated on
-//   C  the configuration (kHeadDim, kDOut, kBr, kBc, kWarps, kStages, kHasCausal, kHasPartial,
+//   C  the configuration (kHeadDim, kHeadDimValid, kDOut, kBr, kBc, kWarps, kStages, kHasCausal, kHasPartial,
 //      kFuseMask, kTransformScores, kHasScoreGrad, T = Fp16/Bf16), rendered by the template;
 //   F  the per-score functions: F::transform(s, b, h, q, kv, p, grad) (scale, bias, modifier and
 //      its derivative) and F::mask(b, h, q, kv, p) (a fused mask expression);
@@ -65,14 +65,15 @@ struct Shape {
 };
 
 // ---------------------------------------------------------------- global -> shared rows
-// kRows rows of kChunks 16-byte chunks from row0 on; rows at or past `len` are zero-filled.
-template <int kRows, int kChunks, int kLd, int kThreads>
+// kRows rows of kChunks 16-byte chunks from row0 on; rows at or past `len` are zero-filled, and so
+// are the chunks at or past kValidChunks (a padded head dim: the caller's rows end there).
+template <int kRows, int kChunks, int kLd, int kThreads, int kValidChunks = kChunks>
 __device__ __forceinline__ void load_rows_async(u16* smem, const u16* gmem, i64 row_stride, int row0, int len) {
 #pragma unroll
   for (int i = 0; i < (kRows * kChunks + kThreads - 1) / kThreads; ++i) {
     const int c = i * kThreads + threadIdx.x;
     const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = row0 + r < len;
+    const bool valid = (kValidChunks == kChunks || ch < kValidChunks) && row0 + r < len;
     if (c < kRows * kChunks)
       cp_async_16(smem_u32(smem + r * kLd + ch * 8), valid ? gmem + static_cast<i64>(row0 + r) * row_stride + ch * 8 : gmem,
                   valid);
@@ -244,16 +245,16 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int warp_row0 = warp * S::kWarpRows;  // this warp's first kv row within the tile
 
   // ---- K and V: loaded once ----
-  load_rows_async<kBc, S::kChunks, kLd, S::kThreads>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len);
-  load_rows_async<kBc, S::kChunks, kLd, S::kThreads>(sV, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, kv_len);
+  load_rows_async<kBc, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len);
+  load_rows_async<kBc, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sV, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, kv_len);
   cp_async_commit();
 
   // Q, dO, LSE and delta of one q tile into buffer `buf`.
   const auto load_q_tile = [&](const QTile& t, int buf) {
     const int head = hk * group + t.g;
-    load_rows_async<kBr, S::kChunks, kLd, S::kThreads>(sQ + buf * kBr * kLd, p.q + batch * p.q_sb + head * p.q_sh,
+    load_rows_async<kBr, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sQ + buf * kBr * kLd, p.q + batch * p.q_sb + head * p.q_sh,
                                                        p.q_sn, t.q0, q_len);
-    load_rows_async<kBr, S::kChunks, kLd, S::kThreads>(sdO + buf * kBr * kLd, p.dout + batch * p.do_sb + head * p.do_sh,
+    load_rows_async<kBr, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sdO + buf * kBr * kLd, p.dout + batch * p.do_sb + head * p.do_sh,
                                                        p.do_sn, t.q0, q_len);
     // The row vectors are padded to whole q tiles: no bounds to check.
     const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + t.q0;
@@ -494,9 +495,11 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       u16* dv_row = p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + col0 + (lane % 4) * 2;
 #pragma unroll
       for (int dt = 0; dt < S::kOutTiles; ++dt) {
-        *reinterpret_cast<u32*>(dk_row + dt * 8) =
-            T::pack(acc_dk[mt][dt][2 * half] * p.scale, acc_dk[mt][dt][2 * half + 1] * p.scale);
-        *reinterpret_cast<u32*>(dv_row + dt * 8) = T::pack(acc_dv[mt][dt][2 * half], acc_dv[mt][dt][2 * half + 1]);
+        if (C::kHeadDimValid == C::kHeadDim || col0 + dt * 8 < C::kHeadDimValid) {  // not a padding column
+          *reinterpret_cast<u32*>(dk_row + dt * 8) =
+              T::pack(acc_dk[mt][dt][2 * half] * p.scale, acc_dk[mt][dt][2 * half + 1] * p.scale);
+          *reinterpret_cast<u32*>(dv_row + dt * 8) = T::pack(acc_dv[mt][dt][2 * half], acc_dv[mt][dt][2 * half + 1]);
+        }
       }
     }
 }

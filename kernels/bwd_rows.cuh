@@ -32,9 +32,11 @@ __device__ __forceinline__ float dot8(const Vec16& a, const Vec16& b) {
   return s;
 }
 
-template <int kHeadDim, typename T, typename P>
+// kHeadDim: the tile's columns (the dQ accumulator's row stride); kHeadDimValid: the caller's (rows
+// of o, dout and dq), smaller in a padded variant.
+template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, typename P>
 __device__ __forceinline__ void preprocess_rows(const P& p) {
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row, <= 32
+  constexpr int kChunks = kHeadDimValid / 8;  // 16-byte chunks per row of o and dout, <= 32
   static_assert(kChunks <= 32, "one warp reads a row in one pass");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kRowWarps + warp;
@@ -61,9 +63,9 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
   }
 }
 
-template <int kHeadDim, typename T, typename P>
+template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, typename P>
 __device__ __forceinline__ void convert_dq(const P& p) {
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kChunks = kHeadDimValid / 8;  // chunks of dq's rows
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * kRowWarps + warp;
   const int head = blockIdx.y, batch = blockIdx.z;

@@ -5,7 +5,7 @@
 // allowed key). With M = max_s m_s and w_s = 2^(m_s - M) (0 for empty splits):
 //     out = sum_s w_s acc_s / sum_s w_s l_s,    lse = (M + log2 sum_s w_s l_s) * ln 2,
 // and a row no split saw gets zeros and -inf. One warp per row; lane l owns column pairs
-// 2l, 2l + 64, ... The template supplies Cfg (kHeadDim, kWarps, Mma) and CombineParams.
+// 2l, 2l + 64, ... The template supplies Cfg (kHeadDim, kHeadDimValid, kWarps, Mma) and CombineParams.
 #pragma once
 #include "mma.cuh"
 
@@ -14,7 +14,7 @@ namespace decode {
 
 template <class Cfg, class Params>
 __device__ __forceinline__ void combine(const Params& p) {
-  constexpr int kPairs = Cfg::kHeadDim / 2;
+  constexpr int kPairs = Cfg::kHeadDimValid / 2;  // the caller's columns; part_o rows keep the tile's stride
   constexpr int kSteps = (kPairs + 31) / 32;
   constexpr float kLn2 = 0.69314718055994531f;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

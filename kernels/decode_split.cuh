@@ -199,7 +199,7 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
     for (int i = 0; i < kChunks / kRowWarps; ++i) {
       const int chunk = (i * kRowWarps + row_warp) * 32 + lane, row = chunk / kChunks, col = (chunk % kChunks) * 8;
       const i64 k_row = __shfl_sync(0xffffffffu, k_off, row), v_row = __shfl_sync(0xffffffffu, v_off, row);
-      const bool live = (t.valid >> row) & 1u;
+      const bool live = ((t.valid >> row) & 1u) && real_chunk<Cfg>(chunk % kChunks);
       const u32 dst = (row * kLd + col) * 2;
       cp_async_16(k_dst + dst, live ? k_base + k_row + col : k_base, live);
       cp_async_16(v_dst + dst, live ? v_base + v_row + col : v_base, live);
@@ -252,7 +252,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   for (int chunk = threadIdx.x; chunk < kBm * T::kChunks; chunk += Cfg::kThreads) {
     const int r = chunk / T::kChunks, col = (chunk % T::kChunks) * 8;
     const int qh = r / Q, qi = r % Q;
-    const bool live = qh < c.heads && qi < c.queries;
+    const bool live = qh < c.heads && qi < c.queries && real_chunk<Cfg>(chunk % T::kChunks);
     const u16* src = p.q + c.b * p.q_sb + static_cast<i64>(c.h_first + qh) * p.q_sh + static_cast<i64>(c.q_first + qi) * p.q_sn + col;
     cp_async_16(smem_u32(sQ + r * kLd + col), live ? src : p.q, live);
   }
@@ -419,10 +419,12 @@ __device__ __forceinline__ void split_kv(const Params& p) {
     }
   __syncthreads();
 
-  // ---- write: 4 columns of one row per thread and step
+  // ---- write: 4 columns of one row per thread and step; the caller's kHeadDimValid columns (the
+  // partial rows keep the tile's stride D, decode_combine.cuh reads them so)
   const i64 rows_total = static_cast<i64>(p.batch) * p.num_heads * p.q_len;
-  for (int item = threadIdx.x; item < kBm * (D / 4); item += Cfg::kThreads) {
-    const int r = item / (D / 4), d = (item % (D / 4)) * 4;
+  constexpr int kOut4 = Cfg::kHeadDimValid / 4;  // 4-column groups written per row
+  for (int item = threadIdx.x; item < kBm * kOut4; item += Cfg::kThreads) {
+    const int r = item / kOut4, d = (item % kOut4) * 4;
     const int qh = r / Q, qi = r % Q;
     if (qh >= c.heads || qi >= c.queries) continue;
     float mx = neg_inf();

@@ -3,7 +3,7 @@
 // at a time. Q sits in shared memory, shared by the CTA's warps; K and V in a ring slot. Fragment layouts are those of mma.cuh (m16n8k16): lane l holds rows l/4 and l/4 + 8,
 // columns 2(l%4) and 2(l%4)+1 of each 16x8 accumulator tile.
 //
-// Plain CUDA, templated on the kernel's configuration Cfg (kHeadDim, kBm, kBc, Mma), so the code
+// Plain CUDA, templated on the kernel's configuration Cfg (kHeadDim, kHeadDimValid, kBm, kBc, Mma), so the code
 // is the same whatever the template renders.
 #pragma once
 #include "mma.cuh"
@@ -17,7 +17,7 @@ struct Tile {
   static constexpr int kMTiles = kWarpRows / 16;   // m16 row tiles of one warp
   static constexpr int kNTiles = Cfg::kBc / 8;     // n8 column tiles of S
   static constexpr int kDTiles = kHeadDim / 8;     // n8 column tiles of O
-  static constexpr int kQKSteps = kHeadDim / 16;   // k16 steps of S = Q Kᵀ
+  static constexpr int kQKSteps = (Cfg::kHeadDimValid + 15) / 16;  // k16 steps of S = Q Kᵀ holding real columns
   static constexpr int kPVSteps = Cfg::kBc / 16;   // k16 steps of O += P V
   static constexpr int kLd = kHeadDim + 8;         // smem row stride: +16 bytes keeps ldmatrix conflict-free
   static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
@@ -100,6 +100,7 @@ struct Tile {
 
   // ---- O += P V. P stays in registers: two adjacent n8 tiles of S are the A fragment of one k16 step.
   static __device__ __forceinline__ void pv(O& acc_o, const S& acc_s, u32 v_addr) {
+    constexpr int kRealDTiles = (Cfg::kHeadDimValid + 15) / 16 * 2;  // n8 tiles of O holding real columns
     P p;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -113,7 +114,7 @@ struct Tile {
 #pragma unroll
     for (int kk = 0; kk < kPVSteps; ++kk)
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; dt += 2) {
+      for (int dt = 0; dt < kRealDTiles; dt += 2) {  // a padded variant's other columns stay zero, never stored
         u32 b[4];  // transposed: b0, b1 of d tile dt, then of dt + 1
         ldmatrix_x4_trans(b, v_addr + (kk * 16 * kLd + dt * 8) * 2);
 #pragma unroll

@@ -21,13 +21,15 @@ __device__ __forceinline__ void pack_p(u32 (&p)[kMTiles][kNTiles / 2][4], const 
 }
 
 // O /= l, LSE, store. Each warp stages its own rows of O in its own rows of `stage` ([rows][kLd],
-// no other warp reads them), then writes whole rows of kHeadDim elements with 16-byte stores.
-// Rows with nothing allowed get O = 0 and LSE = -inf.
-template <class Mma, int kMTiles, int kDTiles, int kWarpRows, int kLd, class Softmax>
+// no other warp reads them), then writes whole rows of kValidChunks 16-byte chunks: the head dim
+// (kDTiles chunks) or, in a padded variant, the caller's head dim (the padding columns stay in
+// smem). Rows with nothing allowed get O = 0 and LSE = -inf.
+template <class Mma, int kMTiles, int kDTiles, int kWarpRows, int kLd, int kValidChunks = kDTiles, class Softmax>
 __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][kDTiles][4], const Softmax& softmax,
                                              u16* stage, u16* o_bh, i64 o_sn, float* lse_bh, int q0, int q_len,
                                              float scale_log2, int warp, int lane) {
-  constexpr int kChunks = kDTiles;  // 16-byte chunks per row: head_dim / 8
+  constexpr int kChunks = kValidChunks;  // 16-byte chunks stored per row
+  static_assert(kValidChunks >= 1 && kValidChunks <= kDTiles, "the stored chunks lie inside the tile");
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -45,11 +47,13 @@ __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][kDTil
       }
     }
   __syncwarp();
+  // Every unpadded tile stores a multiple of 32 chunks per warp; a padded one may end in a partial pass.
+  constexpr int kStoreChunks = kWarpRows * kChunks;
 #pragma unroll
-  for (int i = 0; i < kWarpRows * kChunks / 32; ++i) {
+  for (int i = 0; i < (kStoreChunks + 31) / 32; ++i) {
     const int c = i * 32 + lane;
     const int r = warp * kWarpRows + c / kChunks, ch = c % kChunks;
-    if (q0 + r < q_len) {
+    if ((kStoreChunks % 32 == 0 || c < kStoreChunks) && q0 + r < q_len) {
       *reinterpret_cast<Vec16*>(o_bh + static_cast<i64>(q0 + r) * o_sn + ch * 8) =
           *reinterpret_cast<const Vec16*>(stage + r * kLd + ch * 8);
     }

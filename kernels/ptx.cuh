@@ -84,6 +84,15 @@ __device__ __forceinline__ float exp2_fma(float x) {
   return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
+// Padded head dims (a caller's D below the tile's kHeadDim, both multiples of 8): whether 16-byte
+// chunk `ch` of a row holds real columns. Chunks at or past kHeadDimValid / 8 are padding: loads
+// zero-fill them (so they add nothing to Q Kᵀ and give output columns nobody reads), stores skip
+// them. A constant true for unpadded variants, folded away: their code is unchanged.
+template <class Cfg>
+__device__ __forceinline__ bool real_chunk(int ch) {
+  return Cfg::kHeadDimValid == Cfg::kHeadDim || ch < Cfg::kHeadDimValid / 8;
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }

@@ -50,3 +50,8 @@ class CacheError(OmnicupyError):
     """The kernel cache folder cannot be used: not yours, writable by others, not a folder, not writable.
     attention() never fails over it (the kernel is kept in memory); ``omnicupy precompile`` and
     ``omnicupy cache`` report it."""
+
+
+class HeadDimError(ArgumentError):
+    """A head dim the kernels cannot take: not a multiple of 8 (rows must be whole 16-byte chunks)
+    or outside 8..256."""

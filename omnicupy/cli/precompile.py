@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from .. import arrays, jit
+from ..dispatch.variant import ACCEPTED_HEAD_DIMS
 from ..errors import OmnicupyError
 from ..jit.compiler import arch_number, nvrtc_version, supported_archs
 from .common import (ARCH_SPECIFIC, MAX_DEFAULT_JOBS, NO_GPU_ARCHS, UsageError, arch_list, brief, cache_dir_option,
@@ -216,8 +217,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                f"each with and without causal and partial blocks) for this GPU's arch; with no GPU, for "
                f"{' and '.join(NO_GPU_ARCHS)} (A100 and H100 class). sm_90 includes the wgmma variants (built as "
                f"sm_90a, which is what an H100 runs); --arch sm_90a builds only those. The flags narrow it.")
-    p.add_argument("--head-dims", type=comma_list(int, SUPPORTED_HEAD_DIMS, "head dim"),
-                   default=SUPPORTED_HEAD_DIMS, metavar="64,128", help="head dims (default: all)")
+    p.add_argument("--head-dims", type=comma_list(int, ACCEPTED_HEAD_DIMS, "head dim"),
+                   default=SUPPORTED_HEAD_DIMS, metavar="64,128",
+                   help=f"head dims (default: the tiles' {','.join(map(str, SUPPORTED_HEAD_DIMS))}); any multiple of "
+                        f"8 up to 256 builds its padded kernels, e.g. 40,80,192")
     p.add_argument("--dtypes", type=comma_list(str, SUPPORTED_DTYPES, "dtype"), default=SUPPORTED_DTYPES,
                    metavar="fp16,bf16", help="input dtypes (default: both)")
     p.add_argument("--stages", type=comma_list(int, SUPPORTED_STAGES, "stages"), default=SUPPORTED_STAGES,

@@ -54,7 +54,9 @@ class Plan:
         return (f"{self.operation}: {self.kernel}\n"
                 f"  family {self.variant.family}, tile {self.variant.br}x{self.variant.bc}, "
                 f"{self.variant.warps} warps, stages {self.variant.stages}, arch {self.arch or 'unknown'}\n"
-                f"  grid {self.grid}, block {self.block}, {self.smem_bytes} bytes of shared memory, {order}\n"
+                + (f"  head dim {self.variant.real_head_dim} padded to the tile's {self.variant.head_dim} (zero "
+                   f"columns loaded, never stored)\n" if self.variant.padded else "")
+                + f"  grid {self.grid}, block {self.block}, {self.smem_bytes} bytes of shared memory, {order}\n"
                 f"  why: {self.reason}")
 
     def __str__(self) -> str:
@@ -77,8 +79,8 @@ def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
         return "mma.sync: OMNICUPY_MMA=sync"
     if arch is None or not has_wgmma(arch):
         return f"mma.sync: wgmma needs sm_90 (device arch {arch or 'unknown'})"
-    return (f"mma.sync: no wgmma tile for head_dim {variant.head_dim}, stages {variant.stages} and these "
-            f"block sizes (wgmma: head_dim 64/128/256, stages 2, q blocks a multiple of 64)")
+    return (f"mma.sync: no wgmma tile for head_dim {variant.real_head_dim}, stages {variant.stages} and these "
+            f"block sizes (wgmma: head_dim 40..64, 104..128 or 136..256, stages 2, q blocks a multiple of 64)")
 
 
 def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mask: BlockMask,
@@ -114,7 +116,8 @@ def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block
     variant = tiles.select_backward_variant(head_dim, dtype, bm.q_block_size, bm.kv_block_size, bm.features.causal,
                                             bm.features.partial, bias=bias, mask_expr=mask_expr,
                                             score_expr=score_expr, score_grad=score_grad, arch=arch)
-    passes = head_dim // min(head_dim, 128)
+    tile_dim = variant.head_dim  # the tile's head dim: padded columns are computed, never stored
+    passes = tile_dim // min(tile_dim, 128)
     return Plan(variant=variant, grid=(cdiv(bm.kv_len, variant.bc) * passes, kv_heads, batch),
                 block=(variant.threads, 1, 1), smem_bytes=variant.smem_bytes, q_tile_order=None, arch=arch,
                 reason=f"backward mma.sync: kv tiles of {variant.bc} rows walking q tiles of {variant.br} "

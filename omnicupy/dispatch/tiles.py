@@ -3,6 +3,8 @@
 ``select_variant`` turns a call's needs (head dim, dtype, stages, block sizes, mask features) into
 a Variant: the tuned tile if it divides the mask's block sizes, else the best fallback that does.
 ``select_backward_variant`` does the same for the backward kernels (BACKWARD_TILES below).
+Tables are keyed by the tile head dim; a caller's head dim between them runs padded on the next
+one (variant.tile_head_dim, Variant.head_dim_valid).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 from ..errors import ArgumentError, VariantError
 from ..jit import env
 from .arch import has_wgmma
-from .variant import SUPPORTED_HEAD_DIMS, WGMMA_HEAD_DIMS, Variant
+from .variant import SUPPORTED_HEAD_DIMS, Variant, check_head_dim, tile_head_dim
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,19 @@ def _hopper_tile(family: str, head_dim: int, stages: int, q_block_size: int, kv_
     return None
 
 
+#: Caller head dims the Hopper families take: those whose wgmma tile (64-column blocks) is the tile
+#: mma.sync would use, so that they never pad more. 8..32 and 72..96 stay on mma.sync everywhere,
+#: as 32 and 96 always have (the wgmma tile would add 32 or more zero columns).
+HOPPER_HEAD_DIM_RANGES = "40..64, 104..128, 136..256"
+
+
+def hopper_head_dim(head_dim: int) -> Optional[int]:
+    """The wgmma/tma tile head dim of a caller's (checked) head dim, or None where those families
+    would pad more than mma.sync (HOPPER_HEAD_DIM_RANGES)."""
+    hopper = tile_head_dim(head_dim, "wgmma")
+    return hopper if hopper == tile_head_dim(head_dim) else None
+
+
 def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_size: int, kv_block_size: int,
                    causal: bool, partial: bool, bias: Optional[str] = None, mask_expr: Optional[tuple] = None,
                    score_expr: Optional[tuple] = None, arch: Optional[str] = None,
@@ -144,8 +159,9 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family is used on sm_90 with OMNICUPY_MMA=tma, or by default for TMA_AUTO_HEAD_DIMS; where it
     has no tile the wgmma family serves (and ops/tma.py falls back to it for inputs TMA cannot
     address)."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ArgumentError(f"q: head_dim {head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    valid = check_head_dim(head_dim)
+    head_dim = tile_head_dim(valid)  # mma.sync's tile
+    hopper_dim = hopper_head_dim(valid)
     if stages is None:
         stages = DEFAULT_STAGES[head_dim]
     if stages not in (1, 2):
@@ -155,30 +171,31 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     extras = bias is not None or score_expr is not None
     family = family or env.mma_family()
     hopper = arch is not None and has_wgmma(arch)
-    if hopper and (family == "tma" or (family == "auto" and head_dim in TMA_AUTO_HEAD_DIMS)):
+    hopper = hopper and hopper_dim is not None
+    if hopper and (family == "tma" or (family == "auto" and hopper_dim in TMA_AUTO_HEAD_DIMS)):
         # auto: only the tuned tile measured faster; the fallback tiles run when asked for
-        tm = _hopper_tile("tma", head_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
+        tm = _hopper_tile("tma", hopper_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
         if tm is not None and extras:  # per-score work needs the registers the pipelines hold P in
             tm = dataclasses.replace(tm, overlap=False, pingpong=False)
         if tm is not None:
-            return Variant(head_dim, dtype, tm.br, tm.bc, tm.warps, stages, causal, partial, bias, mask_expr,
-                           score_expr, family="tma", **tm.options())
+            return Variant(hopper_dim, dtype, tm.br, tm.bc, tm.warps, stages, causal, partial, bias, mask_expr,
+                           score_expr, family="tma", head_dim_valid=valid, **tm.options())
     if family != "sync" and hopper:
-        wg = _hopper_tile("wgmma", head_dim, stages, q_block_size, kv_block_size)
+        wg = _hopper_tile("wgmma", hopper_dim, stages, q_block_size, kv_block_size)
         if wg is not None and extras:
             # per-score work needs the registers the overlapped pipeline holds P in
             wg = dataclasses.replace(wg, overlap=False)
         if wg is not None:
-            return Variant(head_dim, dtype, wg.br, wg.bc, wg.warps, stages, causal, partial, bias, mask_expr, score_expr,
-                           family="wgmma", **wg.options())
+            return Variant(hopper_dim, dtype, wg.br, wg.bc, wg.warps, stages, causal, partial, bias, mask_expr,
+                           score_expr, family="wgmma", head_dim_valid=valid, **wg.options())
     if family == "wgmma":
         raise ArgumentError(
-            f"OMNICUPY_MMA=wgmma, but no wgmma kernel fits (device arch {arch}, head_dim {head_dim}, "
-            f"q_block_size {q_block_size}, kv_block_size {kv_block_size}); wgmma needs sm_90, head_dim in "
-            f"{WGMMA_HEAD_DIMS} and q blocks a multiple of 64")
+            f"OMNICUPY_MMA=wgmma, but no wgmma kernel fits (device arch {arch}, head_dim {valid}, "
+            f"q_block_size {q_block_size}, kv_block_size {kv_block_size}); wgmma needs sm_90, a head dim in "
+            f"{HOPPER_HEAD_DIM_RANGES} and q blocks a multiple of 64")
     tile = select_tile(head_dim, stages, q_block_size, kv_block_size, extras)
     return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, stages, causal, partial, bias, mask_expr, score_expr,
-                   **tile.options())
+                   head_dim_valid=valid, **tile.options())
 
 
 def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, stages=(1, 2),
@@ -189,7 +206,9 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
     out = []
     for family in families:
         table = _TABLES[family]
-        for hd in head_dims:
+        for valid in head_dims:
+            # a padded head dim (not a tile's) ships on the tile select_variant gives it
+            hd = tile_head_dim(valid) if family == "sync" else hopper_head_dim(valid)
             for dt in dtypes:
                 for st in stages:
                     tile = table.get((hd, st))
@@ -198,7 +217,7 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                     for causal in (False, True):
                         for partial in (False, True):
                             out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, family=family,
-                                               **tile.options()))
+                                               head_dim_valid=valid, **tile.options()))
     return out
 
 
@@ -246,9 +265,10 @@ BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4
 
 def backward_variant(tile: BwdTile, head_dim: int, dtype: str, causal: bool, partial: bool, bias: Optional[str] = None,
                      mask_expr: Optional[tuple] = None, score_expr: Optional[tuple] = None,
-                     score_grad: Optional[str] = None) -> Variant:
+                     score_grad: Optional[str] = None, head_dim_valid: Optional[int] = None) -> Variant:
+    """``head_dim``: the tile's (BACKWARD_TILES' key); ``head_dim_valid``: the caller's when smaller."""
     return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, tile.stages, causal, partial, bias, mask_expr,
-                   score_expr, operation="backward", score_grad=score_grad)
+                   score_expr, operation="backward", score_grad=score_grad, head_dim_valid=head_dim_valid)
 
 
 def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_block_size: int, causal: bool,
@@ -257,24 +277,25 @@ def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_blo
                             arch: Optional[str] = None) -> Variant:
     """The backward kernel for a call: the tuned tile if it divides the block sizes (and its shared
     memory fits ``arch``), else the first fallback that does."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ArgumentError(f"q: head_dim {head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    valid = check_head_dim(head_dim)
+    head_dim = tile_head_dim(valid)
     extras = bias is not None or score_expr is not None
     tuned = (BACKWARD_FEATURE_TILES if extras else BACKWARD_TILES)[head_dim]
     for tile in (tuned, *BACKWARD_FALLBACKS):
         if not tile.fits(head_dim) or q_block_size % tile.br or kv_block_size % tile.bc:
             continue
-        variant = backward_variant(tile, head_dim, dtype, causal, partial, bias, mask_expr, score_expr, score_grad)
+        variant = backward_variant(tile, head_dim, dtype, causal, partial, bias, mask_expr, score_expr, score_grad,
+                                   head_dim_valid=valid)
         if arch is None or variant.runs_on(arch):
             return variant
     raise ArgumentError(
         f"block_mask: no backward tile divides q_block_size={q_block_size} and kv_block_size={kv_block_size} "
-        f"and fits the shared memory of {arch} at head_dim {head_dim} (q blocks must be a multiple of 16, "
+        f"and fits the shared memory of {arch} at head_dim {valid} (q blocks must be a multiple of 16, "
         f"kv blocks of 32)")
 
 
 def shipped_backward_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS) -> list[Variant]:
     """Every tuned backward variant with every mask-feature combination: what CI compiles and the
     CLI precompiles (mma.sync; builds for sm_80 and sm_90)."""
-    return [backward_variant(BACKWARD_TILES[hd], hd, dt, causal, partial)
+    return [backward_variant(BACKWARD_TILES[tile_head_dim(hd)], tile_head_dim(hd), dt, causal, partial, head_dim_valid=hd)
             for hd in head_dims for dt in dtypes for causal in (False, True) for partial in (False, True)]

@@ -15,10 +15,20 @@ from typing import Optional
 
 from ..mask import expressions
 from . import params
-from ..errors import VariantError
+from ..errors import HeadDimError, VariantError
 from .arch import has_wgmma, smem_limit
 
+#: Head dims the kernels compute on (their tiles): shipped, tuned and precompiled. A caller's head
+#: dim D is any multiple of HEAD_DIM_STEP up to MAX_HEAD_DIM; it runs on the smallest tile that
+#: holds it (tile_head_dim), with the columns past D zero-filled on load and skipped on store
+#: (Variant.head_dim_valid; docs/design.md, "Padded head dims").
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+TILE_HEAD_DIMS = SUPPORTED_HEAD_DIMS
+#: D % 8 == 0: every 16-byte chunk of a row (8 fp16/bf16 elements) is wholly real or wholly padding.
+HEAD_DIM_STEP = 8
+MAX_HEAD_DIM = 256
+#: Every head dim a call may have (the CLI's choices).
+ACCEPTED_HEAD_DIMS = tuple(range(HEAD_DIM_STEP, MAX_HEAD_DIM + 1, HEAD_DIM_STEP))
 SUPPORTED_DTYPES = ("fp16", "bf16")
 SUPPORTED_STAGES = (1, 2)
 #: Elements of padding per shared-memory row of the mma.sync family (keeps ldmatrix conflict-free).
@@ -61,6 +71,25 @@ TMA_BARRIER_BYTES = 128
 TMA_PERSISTENT_SMEM = 232448
 
 
+def check_head_dim(head_dim: object, name: str = "q") -> int:
+    """``head_dim`` if the kernels can take it (a multiple of 8 in 8..256), else HeadDimError."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise HeadDimError(f"{name}: head_dim must be an int, got {head_dim!r}")
+    if head_dim % HEAD_DIM_STEP or not HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM:
+        raise HeadDimError(f"{name}: head_dim {head_dim} is not supported: it must be a multiple of {HEAD_DIM_STEP} "
+                           f"from {HEAD_DIM_STEP} to {MAX_HEAD_DIM} (rows of whole 16-byte chunks)")
+    return head_dim
+
+
+def tile_head_dim(head_dim: int, family: str = "sync") -> Optional[int]:
+    """The tile a caller's head dim runs on in ``family``: the smallest of the family's tile head
+    dims that holds it (mma.sync: TILE_HEAD_DIMS; wgmma and tma: WGMMA_HEAD_DIMS). None when the
+    family has none (never for a checked head dim)."""
+    check_head_dim(head_dim)
+    dims = WGMMA_HEAD_DIMS if family in HOPPER_FAMILIES else TILE_HEAD_DIMS
+    return next((d for d in dims if d >= head_dim), None)
+
+
 @dataclass(frozen=True, order=True)
 class Variant:
     """One rendering of an operation's template for one family.
@@ -98,8 +127,20 @@ class Variant:
     #: tma only, with overlap and two consumer warpgroups: they take turns issuing their GEMMs
     #: (named barriers), so that one's softmax runs under the other's GEMMs.
     pingpong: bool = False
+    #: The caller's head dim when it is smaller than the tile's ``head_dim`` (a padded variant:
+    #: loads zero-fill the 16-byte chunks past it, stores skip them); None when they are equal.
+    head_dim_valid: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.head_dim_valid == self.head_dim:  # one key, one name, one kernel per tile
+            object.__setattr__(self, "head_dim_valid", None)
+        if self.head_dim_valid is not None:
+            try:
+                check_head_dim(self.head_dim_valid)
+            except HeadDimError as exc:
+                raise VariantError(str(exc)) from None
+            if self.head_dim_valid > self.head_dim:
+                raise VariantError(f"head_dim_valid {self.head_dim_valid} exceeds the tile's head_dim {self.head_dim}")
         if self.bias not in (None, *BIAS_DTYPES):
             raise VariantError(f"bias dtype must be one of {BIAS_DTYPES} or None, got {self.bias!r}")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -187,8 +228,10 @@ class Variant:
             family = "_tma" + ("o" if self.overlap else "") + ("p" if self.pingpong else "")
         if self.poly_exp:
             family += f"_pe{self.poly_exp}"
+        # a padded variant: hd<caller's D>p<tile>, so that D = 40 and D = 64 never share a name
+        hd = f"{self.head_dim}" if self.head_dim_valid is None else f"{self.head_dim_valid}p{self.head_dim}"
         return (
-            f"{PREFIXES[self.operation]}_{self.dtype}_hd{self.head_dim}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
+            f"{PREFIXES[self.operation]}_{self.dtype}_hd{hd}_br{self.br}_bc{self.bc}_w{self.warps}_st{self.stages}"
             f"{family}{features}"
         )
 
@@ -200,6 +243,15 @@ class Variant:
             return False
         base = SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
         return base + self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2 <= TMA_PERSISTENT_SMEM
+
+    @property
+    def real_head_dim(self) -> int:
+        """The caller's head dim: the columns of q, k, v and the outputs that exist."""
+        return self.head_dim if self.head_dim_valid is None else self.head_dim_valid
+
+    @property
+    def padded(self) -> bool:
+        return self.head_dim_valid is not None
 
     @property
     def threads(self) -> int:
@@ -266,6 +318,7 @@ class Variant:
         values["params_struct"] = params.struct_for(self.operation, self.family).cpp()
         values["m_tiles"] = 1 if self.family in HOPPER_FAMILIES else self.br // self.warps // 16
         values["smem_pad"] = SMEM_PAD_ELEMS
+        values["head_dim_valid"] = self.real_head_dim
         return values
 
 

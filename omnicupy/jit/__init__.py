@@ -61,6 +61,20 @@ def cache_stem(variant: KernelSpec, arch: str, source: Optional[str] = None) -> 
     return f"{variant.name}-{normalize_arch(arch)}-{digest}"
 
 
+_padded_logged: set[tuple[int, int]] = set()
+
+
+def _log_padded_once(variant: KernelSpec) -> None:
+    """Padded head dims (Variant.head_dim_valid) are not precompiled by default: say once per head dim
+    and process that their kernels compile on first use, and how to precompile them."""
+    valid, tile = getattr(variant, "head_dim_valid", None), getattr(variant, "head_dim", None)
+    if valid is None or (valid, tile) in _padded_logged:
+        return
+    _padded_logged.add((valid, tile))
+    _log.info("omnicupy: head dim %d runs padded on the %d-column tile; its kernels compile on first use "
+              "(omnicupy precompile --head-dims %d builds them ahead)", valid, tile, valid)
+
+
 def build(variant: KernelSpec, arch: str, cache: Optional[DiskCache] = None, *,
           must_store: bool = False) -> tuple[CacheEntry, bool]:
     """Render and compile ``variant`` for ``arch`` into the cache (no GPU needed).
@@ -93,6 +107,8 @@ def build(variant: KernelSpec, arch: str, cache: Optional[DiskCache] = None, *,
         return result.cubin, meta
 
     entry, built = cache.get_or_build(stem, compile_entry, must_store=must_store)
+    if built:
+        _log_padded_once(variant)
     if not built:
         _log.debug("cache hit %s", stem)
     elif env.keep_source() and entry.stored:

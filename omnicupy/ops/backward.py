@@ -129,11 +129,12 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         raise CompileError(f"the CUDA expression(s) {exprs} (or the score derivative {extras.score_grad!r}) "
                            f"did not compile:\n{exc}") from None
     variant = plan.variant
-    B, Hq, Nq, D = inp.batch, inp.heads, inp.q_len, inp.head_dim
+    B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     lse_log2 = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
     delta = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
-    dq_accum = cp.empty((B, Hq, Nq, D), dtype=np.float32)  # zeroed by the preprocess kernel
+    # zeroed by the preprocess kernel; rows of the tile's head dim (wider than D when padded)
+    dq_accum = cp.empty((B, Hq, Nq, variant.head_dim), dtype=np.float32)
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
     semaphore = cp.zeros((B, Hq, q_len_pad // variant.br, passes), dtype=np.int32) if deterministic else None
     index = backward_index(bm)

@@ -32,7 +32,7 @@ from ..checks import check_int
 from ..dispatch.arch import current_arch, smem_limit
 from ..dispatch.params import COMBINE, DECODE
 from ..dispatch.plan import Plan
-from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant
+from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant, tile_head_dim
 from ..errors import ArgumentError, KVCacheError
 from ..mask import BlockMask, cdiv, expressions
 from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
@@ -192,13 +192,15 @@ def _ctas_per_sm(variant: Variant, arch: Optional[str]) -> int:
 
 def decode_variant(head_dim: int, dtype: str, br: int, *, causal: bool, partial: bool,
                    score_expr: Optional[tuple], arch: Optional[str]) -> Variant:
-    """The split kernel for this tile, with its ring trimmed to the arch's shared memory."""
+    """The split kernel for this tile, with its ring trimmed to the arch's shared memory. A head dim
+    between the tiles' runs padded on the next one (Variant.head_dim_valid)."""
+    valid, head_dim = head_dim, tile_head_dim(head_dim)
     warps, stages = DECODE_TILES[(head_dim, br)]
     row_warps = br // DECODE_WARP_ROWS
     limit = smem_limit(arch or "sm_90")
     while True:
         v = Variant(head_dim, dtype, br, DECODE_BC, warps, stages, causal, partial, score_expr=score_expr,
-                    operation="decode")
+                    operation="decode", head_dim_valid=valid)
         if v.smem_bytes <= limit:
             return v
         if stages > 2:
@@ -210,7 +212,8 @@ def decode_variant(head_dim: int, dtype: str, br: int, *, causal: bool, partial:
 
 
 def combine_variant(head_dim: int, dtype: str) -> Variant:
-    return Variant(head_dim, dtype, COMBINE_WARPS, DECODE_BC, COMBINE_WARPS, 1, operation="combine")
+    return Variant(tile_head_dim(head_dim), dtype, COMBINE_WARPS, DECODE_BC, COMBINE_WARPS, 1, operation="combine",
+                   head_dim_valid=head_dim)
 
 
 def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads: int, q_len: int,
@@ -521,7 +524,8 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
     splits = plan.num_splits
     part_o = part_ml = None
     if splits > 1:
-        part_o = cp.empty((splits, B * Hq * Nq, D), dtype=np.float32)
+        # rows of the kernel's tile head dim (wider than D when padded: decode_combine.cuh's stride)
+        part_o = cp.empty((splits, B * Hq * Nq, plan.split.variant.head_dim), dtype=np.float32)
         part_ml = cp.empty((splits, B * Hq * Nq, 2), dtype=np.float32)
     rule = plan.rule or Rule()
     transforms = score_expr is not None

@@ -17,7 +17,7 @@ import numpy as np
 from .. import arrays
 from ..checks import check_positive_float
 from ..dispatch.params import MAX_USER_ARRAYS
-from ..dispatch.variant import SUPPORTED_HEAD_DIMS
+from ..dispatch.variant import check_head_dim
 from ..errors import AliasError, ArgumentError, ExpressionError, MaskError, NoGPUError, SizeLimitError
 from ..mask import BlockMask, expressions
 
@@ -125,8 +125,7 @@ def check_qkv(q: Any, k: Any, v: Any) -> Inputs:
         raise ArgumentError(f"k/v batch ({Bk}) must equal q batch ({B})")
     if Dk != D:
         raise ArgumentError(f"k/v head_dim ({Dk}) must equal q head_dim ({D})")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ArgumentError(f"q: head_dim {D} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    check_head_dim(int(D))  # HeadDimError: a multiple of 8 from 8 to 256 (padded onto the next tile)
     if Hq % Hkv:
         raise ArgumentError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) (GQA/MQA)")
     if Hq > MAX_GRID_YZ or B > MAX_GRID_YZ:

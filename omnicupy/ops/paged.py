@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import arrays
 from ..checks import check_int
+from ..dispatch.variant import check_head_dim
 from ..errors import ArgumentError, KVCacheError
 from . import decode
 from .inputs import aligned, as_array, check_device, check_layout, check_scale, check_score_mod, require_gpu, to_device
@@ -111,6 +112,7 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
     qa = as_array(q, "q")
     dtype = check_layout(qa, "q")
     B, Hq, Nq, D = (int(n) for n in qa.shape)
+    check_head_dim(D)  # before any copy: HeadDimError
     ka, va, num_pages, page_size, kv_heads = _check_pages(k_pages, v_pages, qa, layout)
     table = _check_table(page_table, B)
     capacity = int(table.shape[1]) * page_size
