@@ -225,9 +225,10 @@ def test_switches_follow_os_environ(monkeypatch):
     assert sig == (((1, 2), (4, 2), "f2", 0), "x", *recall.switches())
 
 
-def test_recipe_make_zeroes_the_pointers_and_keeps_the_metadata(route):
+def test_recipe_make_zeroes_the_pointers_and_keeps_the_metadata(route, monkeypatch):
     fake = FakeCupyDriver(FORWARD.size)
     route("driver", driver=fake)
+    monkeypatch.setattr(launch, "_current_stream_ptr", lambda: 0x5EED)  # CuPy's current stream, without a GPU
 
     class Arr:  # an array the struct points at (ptr through .data.ptr, like CuPy's)
         def __init__(self, ptr):
@@ -245,5 +246,5 @@ def test_recipe_make_zeroes_the_pointers_and_keeps_the_metadata(route):
     assert meta in recipe.keep and any(getattr(a.data, "ptr", 0) == 0x800 for a in recipe.keep)
     recipe.launch(0x1100, 0x1200, 0x1300, 0x1400, 0)
     head, seen = fake.calls[0]
-    assert head[:8] == (9, 8, 16, 2, 128, 1, 1, 1024)
+    assert head == (9, 8, 16, 2, 128, 1, 1, 1024, 0x5EED, 0)
     assert [FORWARD.unpack(seen)[n] for n in recall.POINTER_FIELDS] == [0x1100, 0x1200, 0x1300, 0x1400, 0]
