@@ -224,7 +224,8 @@ def attention(
     if kv_lens is None and num_splits is None and cp is not None:
         # The steady state (ops/recall.py): no GPU query here; a recipe exists only after a call ran.
         views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp))
-        out_view = None if out is None else recall.view(out, cp)
+        # A user ``out`` only as a CuPy array: the general path returns other kinds as CuPy views
+        out_view = None if out is None or type(out) is not cp.ndarray else recall.view(out, cp)
         if None not in views and len(views[0][1]) == 4 and len(views[1][1]) == 4 and len(views[2][1]) == 4 \
                 and (out is None or out_view is not None) and (bias is None or type(bias) is cp.ndarray):
             # Scalars enter with their types: 2 and 2.0 (or 1 and True) are equal keys but not equally valid.

@@ -21,6 +21,7 @@ Knows arrays' layouts and struct offsets; decides nothing (ops/forward.py, ops/b
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import sys
@@ -235,12 +236,35 @@ def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, 
         o = cp.ndarray(shape, dtype)
         op = o.data.ptr
     else:
-        o, (op, *_, odev) = out_view
-        if op % 16 or odev != dev:
+        o, ov = out_view
+        op, odev = ov[0], ov[4]
+        if op % 16 or odev != dev or overlaps(ov, qkv):  # the general path says what is wrong
             return None
     lse = cp.ndarray(shape[:3], np.float32) if return_lse else None
     recipe.launch(qp, kp, vp, op, 0 if lse is None else lse.data.ptr)
     return (o, lse) if return_lse else o
+
+
+@functools.lru_cache(maxsize=256)
+def _extent(shape: tuple, strides: tuple, itemsize: int) -> tuple[int, int]:
+    """[lowest, highest) byte offsets an array of this layout touches, from its pointer."""
+    if 0 in shape:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return low, high + itemsize
+
+
+def overlaps(view: tuple, others: Sequence[tuple]) -> bool:
+    """Whether the memory spans of ``view`` and any of ``others`` intersect (views as from ``view()``)."""
+    ptr, shape, strides, dtype, _ = view
+    lo, hi = _extent(shape, strides, dtype.itemsize)
+    lo, hi = ptr + lo, ptr + hi
+    for optr, oshape, ostrides, odtype, _ in others:
+        olo, ohi = _extent(oshape, ostrides, odtype.itemsize)
+        if optr + olo < hi and lo < optr + ohi:
+            return True
+    return False
 
 
 def recipe_for(bm: BlockMask, key: Optional[tuple]) -> Optional[Recipe]:
@@ -266,5 +290,5 @@ def remember(bm: BlockMask, key: Optional[tuple], recipe: Recipe, *alive: Any) -
     bm._recipes[key] = replace(recipe, keep=recipe.keep + alive)
 
 
-__all__ = ["PointerSlots", "Recipe", "view", "signature", "switches", "launch_if_known", "recipe_for", "remember",
+__all__ = ["PointerSlots", "Recipe", "overlaps", "view", "signature", "switches", "launch_if_known", "recipe_for", "remember",
            "POINTER_FIELDS"]
