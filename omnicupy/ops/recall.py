@@ -56,10 +56,8 @@ _ENV_KEYS = tuple(os.environ.encodekey(name) for name in SWITCHES) if _ENV_DATA 
 def switches() -> tuple:
     """The raw values of the dispatch switches now (None where unset)."""
     if _ENV_KEYS is not None and os.environ._data is _ENV_DATA:
-        get = _ENV_DATA.get
-        return tuple(get(key) for key in _ENV_KEYS)
-    environ = os.environ
-    return tuple(environ.get(name) for name in SWITCHES)
+        return tuple(map(_ENV_DATA.get, _ENV_KEYS))
+    return tuple(map(os.environ.get, SWITCHES))
 
 
 class PointerSlots:
@@ -208,7 +206,7 @@ def _stream_token(cp) -> int:
 def signature(views, extras: tuple) -> tuple:
     """The key of a call: the arrays' layouts (not their pointers), the other arguments, the device
     and the dispatch switches."""
-    return (*(v[1:] for v in views), *extras, *switches())
+    return (*[v[1:] for v in views], *extras, *switches())
 
 
 def _same_device(views, cp) -> Optional[int]:
