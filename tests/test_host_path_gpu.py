@@ -317,3 +317,81 @@ def test_torch_inputs_take_the_same_kernel(dtype):
         got = omnicupy.attention(tq, tk, tv, causal=True)
     cp.cuda.Device().synchronize()
     assert cp.array_equal(cp.asarray(got), want), f"seed {SEED} {dtype} (torch side stream)"
+
+
+# ------------------------------------------------------------------ decode-shaped calls (split-KV kernel)
+def _decode_inputs(cp, seed, B=3, Hq=8, Hkv=2, Nq=2, Nkv=1000, D=128):
+    rng = cp.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, Nq, D), dtype=cp.float32).astype(cp.float16)
+    k, v = (rng.standard_normal((B, Hkv, Nkv, D), dtype=cp.float32).astype(cp.float16) for _ in range(2))
+    return q, k, v
+
+
+DECODE_CASES = [
+    pytest.param({"causal": "bottom_right"}, False, id="bottom-right"),
+    pytest.param({"causal": True}, True, id="device-kv-lens"),
+    pytest.param({"causal": True, "num_splits": 4}, True, id="device-kv-lens-4-splits"),
+    pytest.param({"num_splits": 1, "return_lse": True}, True, id="one-split-lse"),
+    pytest.param({"causal": True, "return_lse": True}, True, id="device-kv-lens-lse"),
+]
+
+
+@pytest.mark.parametrize("kwargs, with_lens", DECODE_CASES)
+def test_decode_cached_calls_match_first_calls(kwargs, with_lens):
+    cp = pytest.importorskip("cupy")
+    from omnicupy.ops import forward, recall
+
+    q, k, v = _decode_inputs(cp, SEED)
+    lens = cp.asarray(np.array([1000, 3, 517], np.int32)) if with_lens else None
+    causal = kwargs.get("causal", False)
+    mode = forward.CAUSAL_MODES[causal]
+    owner = forward._builtin_mask(mode, q.shape[2], k.shape[2])
+    omnicupy.attention(q, k, v, kv_lens=lens, **kwargs)
+    assert any(type(r) is recall.ChainRecipe for r in owner._recipes.values()), "no decode recipe was kept"
+    for i in range(3):
+        seed = SEED + 30 + i
+        q, k, v = _decode_inputs(cp, seed)
+        if lens is not None:
+            lens[...] = cp.asarray(np.random.default_rng(seed).integers(0, 1001, size=3).astype(np.int32))
+        cached = omnicupy.attention(q, k, v, kv_lens=lens, **kwargs)
+        owner._recipes.clear()
+        general = omnicupy.attention(q, k, v, kv_lens=lens, **kwargs)
+        for got, want in zip(cached if isinstance(cached, tuple) else [cached],
+                             general if isinstance(general, tuple) else [general]):
+            assert cp.array_equal(got, want), f"seed {seed}: the recipe and the general path differ ({kwargs})"
+
+
+def test_decode_steps_return_while_the_device_is_busy_and_replay_in_a_graph():
+    cp = pytest.importorskip("cupy")
+    q, k, v = _decode_inputs(cp, SEED)
+    lens = cp.asarray(np.array([10, 400, 999], np.int32))
+    out = cp.empty_like(q)
+    omnicupy.attention(q, k, v, kv_lens=lens, causal=True, out=out)  # kernels loaded, recipe kept
+    lens += 0  # CuPy's own kernel for the steps below, compiled before the clock starts
+    cp.cuda.Device().synchronize()
+    _spin(cp)
+    busy = cp.cuda.Event()
+    busy.record()
+    for step in range(3):
+        lens += 1  # the next decode step: new lengths on the device, no host copy
+        omnicupy.attention(q, k, v, kv_lens=lens, causal=True, out=out)
+        assert not busy.done, f"decode step {step} waited for the device"
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        omnicupy.attention(q, k, v, kv_lens=lens, causal=True, out=out)
+        graph = stream.end_capture()
+    try:
+        for new_lens in ([1, 2, 3], [999, 500, 0]):
+            with stream:
+                lens[...] = cp.asarray(np.array(new_lens, np.int32))
+                out.fill(float("nan"))
+                graph.launch(stream)
+                want = omnicupy.attention(q, k, v, kv_lens=lens, causal=True)
+            stream.synchronize()
+            assert cp.array_equal(out, want), f"seed {SEED}: replay with kv_lens {new_lens}"
+    finally:
+        from omnicupy.ops import recall
+
+        recall.release_captured()

@@ -248,3 +248,80 @@ def test_recipe_make_zeroes_the_pointers_and_keeps_the_metadata(route, monkeypat
     head, seen = fake.calls[0]
     assert head == (9, 8, 16, 2, 128, 1, 1, 1024, 0x5EED, 0)
     assert [FORWARD.unpack(seen)[n] for n in recall.POINTER_FIELDS] == [0x1100, 0x1200, 0x1300, 0x1400, 0]
+
+
+class _Arr:
+    """A device array as the structs see it: ``.data.ptr`` and ``.nbytes``."""
+
+    def __init__(self, ptr, nbytes=16):
+        self.data = type("D", (), {"ptr": ptr})()
+        self.nbytes = nbytes
+
+
+class _FakeCupy:
+    """CuPy as ChainRecipe.launch uses it: one pool allocation per call, a stream not capturing."""
+
+    def __init__(self):
+        self.allocations = []
+        outer = self
+
+        class _Memory:
+            def __init__(self, n):
+                self.ptr = 0x900000 + 0x10000 * len(outer.allocations)
+                outer.allocations.append(n)
+
+        stream = type("S", (), {"is_capturing": lambda self: False, "ptr": 0})()
+        self.cuda = type("C", (), {"alloc": staticmethod(lambda n: _Memory(n)),
+                                   "get_current_stream": staticmethod(lambda: stream)})()
+
+
+def _decode_record(splits_lse=False):
+    """What ops/decode.launch records for a split + combine call (pointers only; scalars zero)."""
+    from omnicupy.dispatch.params import COMBINE, DECODE
+
+    call = {"q": _Arr(0x1000), "k": _Arr(0x2000), "v": _Arr(0x3000), "o": _Arr(0x4000), "lse": _Arr(0x5000),
+            "kv_lens": _Arr(0x6000)}
+    part_o, part_ml, errors = _Arr(0x7000, 1000), _Arr(0x8000, 100), _Arr(0xE000)
+    split = {p.name: (0 if p.count == 1 else []) for p in DECODE.params}
+    split.update({n: call[n] for n in ("q", "k", "v", "o", "kv_lens")}, lse=None, part_o=part_o, part_ml=part_ml,
+                 errors=errors, page_table=None, num_heads=8)
+    combine = {p.name: 0 for p in COMBINE.params}
+    combine.update(part_o=part_o, part_ml=part_ml, o=call["o"], lse=call["lse"], rows=64)
+    record = [(FakeKernel(0xA), (4, 8, 2), (128, 1, 1), 2048, DECODE, split),
+              (FakeKernel(0xB), (1, 1, 1), (256, 1, 1), 0, COMBINE, combine)]
+    return record, {name: a.data.ptr for name, a in call.items()}, errors
+
+
+def test_chain_recipe_replays_split_and_combine_with_new_pointers(route, monkeypatch):
+    from omnicupy.dispatch.params import COMBINE, DECODE
+
+    sizes = {0xA: DECODE.size, 0xB: COMBINE.size}
+
+    class Driver(FakeCupyDriver):
+        def launchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):  # noqa: N802
+            self.calls.append((f, _read_params(params, sizes[f])))
+
+    fake = Driver(0)
+    route("driver", driver=fake)
+    monkeypatch.setattr(launch, "_current_stream_ptr", lambda: 0)
+    record, first_call, errors = _decode_record()
+    chain = recall.ChainRecipe.from_record(record, first_call, ("part_o", "part_ml"))
+    assert chain is not None and errors in chain.keep
+    fake_cp = _FakeCupy()
+    new = {"q": 0x11000, "k": 0x12000, "v": 0x13000, "o": 0x14000, "lse": 0x15000, "kv_lens": 0x16000}
+    chain.launch(fake_cp, new)
+    assert fake_cp.allocations == [1024 + 256]  # part_o rounded up to 256 bytes, then part_ml
+    (f1, split), (f2, combine) = fake.calls
+    assert (f1, f2) == (0xA, 0xB)
+    s, c = DECODE.unpack(split), COMBINE.unpack(combine)
+    for name in ("q", "k", "v", "o", "kv_lens"):
+        assert s[name] == new[name], name
+    assert s["lse"] == 0 and s["errors"] == 0xE000 and s["num_heads"] == 8  # fixed fields stay
+    assert (s["part_o"], s["part_ml"]) == (0x900000, 0x900000 + 1024) == (c["part_o"], c["part_ml"])
+    assert (c["o"], c["lse"], c["rows"]) == (new["o"], new["lse"], 64)
+
+
+def test_chain_recipe_refuses_a_call_whose_array_was_copied():
+    record, first_call, _ = _decode_record()
+    first_call["q"] += 0x100  # the struct holds another array than the call's q
+    assert recall.ChainRecipe.from_record(record, first_call, ("part_o", "part_ml")) is None

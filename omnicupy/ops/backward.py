@@ -157,32 +157,20 @@ class Workspace:
 
         Outside a CUDA-graph capture the allocation goes back to CuPy's pool when dropped, reusable by
         later work on the same stream only (stream order keeps that safe). During a capture the graph
-        keeps these addresses for every replay, so the allocation is kept in ``CAPTURED`` for the life
-        of the process (``release_captured()`` frees it once no graph will replay)."""
+        keeps these addresses for every replay, so the allocation is kept for the life of the process
+        (``recall.hold_if_capturing``; ``release_captured()`` frees it once no graph will replay)."""
         memory = cp.cuda.alloc(max(self.total, 1))
         base = memory.ptr
         pointers = tuple(base + off if size else 0 for off, size in zip(self.offsets, self.sizes))
         stream = cp.cuda.get_current_stream()
         if self.sizes[3]:
             cp.cuda.runtime.memsetAsync(pointers[3], 0, self.sizes[3], stream.ptr)
-        if stream.is_capturing():
-            with _captured_lock:
-                CAPTURED.append(memory)
+        recall.hold_if_capturing(memory, stream)
         return memory, pointers
 
 
-#: Workspaces allocated while a stream was being captured into a CUDA graph (Workspace.allocate).
-CAPTURED: list = []
-_captured_lock = threading.Lock()
-
-
-def release_captured() -> int:
-    """Drop the workspaces kept for captured graphs (call once no such graph replays any more);
-    returns how many there were."""
-    with _captured_lock:
-        count = len(CAPTURED)
-        CAPTURED.clear()
-    return count
+#: Drop the workspaces kept for captured graphs (ops/recall.py).
+release_captured = recall.release_captured
 
 
 def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float, plan: Plan,

@@ -25,6 +25,7 @@ import functools
 import os
 import struct
 import sys
+import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -126,6 +127,11 @@ class Recipe:
     def template(self) -> bytes:
         return self.launcher.template
 
+    @property
+    def kernel(self) -> Any:
+        """The (first) kernel the recipe launches."""
+        return self.launcher.launches[0].kernel
+
     def launch(self, *pointers: int) -> None:
         """Write ``pointers`` (in the recipe's pointer-field order) and launch on the current stream."""
         buf = self.launcher.args()
@@ -133,6 +139,85 @@ class Recipe:
         if self.maps is not None:
             self.maps(buf, pointers)
         self.launcher.launch()
+
+
+#: Allocations a graph captured on some stream may still use (hold_if_capturing).
+CAPTURED: list = []
+_captured_lock = threading.Lock()
+
+
+def hold_if_capturing(memory: Any, stream: Any) -> None:
+    """Keep ``memory`` (per-call scratch) for the life of the process when ``stream`` is being captured
+    into a CUDA graph: every replay uses the captured addresses, which must not go back to the pool."""
+    if stream.is_capturing():
+        with _captured_lock:
+            CAPTURED.append(memory)
+
+
+def release_captured() -> int:
+    """Drop the scratch kept for captured graphs (call once no such graph replays any more); returns
+    how many allocations there were."""
+    with _captured_lock:
+        count = len(CAPTURED)
+        CAPTURED.clear()
+    return count
+
+
+#: Fields a recorded chain takes from the call (ChainRecipe); anything else is fixed or scratch.
+CALL_FIELDS = ("q", "k", "v", "o", "lse", "kv_lens")
+SCRATCH_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class ChainRecipe:
+    """Several launches recorded from a first call (the decode's split kernel and combine, each with
+    its own struct), replayed with the call's pointers (CALL_FIELDS, by name) and per-call scratch
+    buffers (one allocation, its parts at the same offsets in every struct that names them)."""
+
+    steps: tuple  # (Launcher, PointerSlots, field names) per launch, in order
+    scratch: tuple  # (field name, byte offset) in the per-call allocation
+    scratch_bytes: int
+    keep: tuple
+
+    @classmethod
+    def from_record(cls, record: Sequence[tuple], call_pointers: dict, scratch_fields: Sequence[str]
+                    ) -> Optional["ChainRecipe"]:
+        """From ``(kernel, grid, block, shared_mem, struct, fields)`` per launch. ``call_pointers``: the
+        first call's pointer of each CALL_FIELDS name it passed (None: absent). None when a recorded
+        field does not hold the call's array (a copy was made): such a call cannot be replayed."""
+        steps, scratch, keep, at = [], {}, [], 0
+        for kernel, grid, block, shared_mem, params, fields in record:
+            names = []
+            for p in params.params:
+                value = fields.get(p.name)
+                if p.kind != "ptr" or value is None:
+                    continue
+                if p.name in CALL_FIELDS:
+                    if call_pointers.get(p.name) != getattr(getattr(value, "data", None), "ptr", None):
+                        return None
+                    names.append(p.name)
+                elif p.name in scratch_fields:
+                    if p.name not in scratch:
+                        scratch[p.name] = at
+                        at += -(-int(value.nbytes) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+                    names.append(p.name)
+            fixed = dict(fields, **{name: None for name in names})
+            launcher = Launcher(bytes(params.pack(fixed)), [KernelLaunch(kernel, grid, block, shared_mem)])
+            steps.append((launcher, PointerSlots(params.offset(n) for n in names), tuple(names)))
+            keep.extend(_kept(fields, names))
+        return cls(tuple(steps), tuple(scratch.items()), at, tuple(keep))
+
+    def launch(self, cp, pointers: dict) -> None:
+        """Launch every step with the call's ``pointers`` (CALL_FIELDS name -> pointer, 0 for none)."""
+        memory = None
+        if self.scratch:
+            memory = cp.cuda.alloc(self.scratch_bytes)
+            pointers = dict(pointers, **{name: memory.ptr + off for name, off in self.scratch})
+            hold_if_capturing(memory, cp.cuda.get_current_stream())
+        for launcher, slots, names in self.steps:
+            slots.write(launcher.args(), [pointers[n] for n in names])
+            launcher.launch()
+        del memory  # back to CuPy's pool, reusable by later work on this stream only
 
 
 # ------------------------------------------------------------------------------------- views
@@ -218,7 +303,7 @@ def _same_device(views, cp) -> Optional[int]:
     return dev if dev == cp.cuda.runtime.getDevice() else None
 
 
-def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, cp):
+def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, cp, kv_lens_view=None):
     """Launch from the mask's recipe for ``key``; None when there is none or the pointers do not
     allow it (misaligned, on another device): then the general path runs."""
     try:
@@ -239,7 +324,14 @@ def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, 
         if op % 16 or odev != dev or overlaps(ov, qkv):  # the general path says what is wrong
             return None
     lse = cp.ndarray(shape[:3], np.float32) if return_lse else None
-    recipe.launch(qp, kp, vp, op, 0 if lse is None else lse.data.ptr)
+    lp = 0 if lse is None else lse.data.ptr
+    if type(recipe) is ChainRecipe:
+        if kv_lens_view is not None and kv_lens_view[4] != dev:
+            return None
+        recipe.launch(cp, {"q": qp, "k": kp, "v": vp, "o": op, "lse": lp,
+                           "kv_lens": 0 if kv_lens_view is None else kv_lens_view[0]})
+    else:
+        recipe.launch(qp, kp, vp, op, lp)
     return (o, lse) if return_lse else o
 
 
@@ -288,5 +380,5 @@ def remember(bm: BlockMask, key: Optional[tuple], recipe: Recipe, *alive: Any) -
     bm._recipes[key] = replace(recipe, keep=recipe.keep + alive)
 
 
-__all__ = ["PointerSlots", "Recipe", "overlaps", "view", "signature", "switches", "launch_if_known", "recipe_for", "remember",
+__all__ = ["ChainRecipe", "PointerSlots", "Recipe", "hold_if_capturing", "overlaps", "release_captured", "view", "signature", "switches", "launch_if_known", "recipe_for", "remember",
            "POINTER_FIELDS"]
