@@ -218,6 +218,18 @@ def gpu_report(seq_lens, calls: int, routes) -> list[dict]:
                 r["flex fwd+bwd"] = per_call_us(flex_fb, max(calls // 4, 30), torch.cuda.synchronize)
             except Exception as exc:  # noqa: BLE001
                 print(f"flex failed at N={n}: {exc}", file=sys.stderr)
+        # a decode step: one query per sequence, GQA 4, device lengths (the split-KV kernel)
+        dq_ = rng.standard_normal((B, H, 1, D), dtype=cp.float32).astype(cp.float16)
+        dk_, dv_ = (rng.standard_normal((B, H // 4, n, D), dtype=cp.float32).astype(cp.float16) for _ in range(2))
+        lens = cp.full((B,), n - 1, dtype=cp.int32)
+        tdq, tdk, tdv = (torch.from_dlpack(x) for x in (dq_, dk_, dv_))
+        r["decode cupy"] = per_call_us(lambda: omnicupy.attention(dq_, dk_, dv_, causal=True, kv_lens=lens), calls,
+                                       sync)
+        try:
+            r["decode sdpa"] = per_call_us(lambda: F.scaled_dot_product_attention(tdq, tdk, tdv, enable_gqa=True),
+                                           calls, torch.cuda.synchronize)
+        except Exception as exc:  # noqa: BLE001 - torch without enable_gqa
+            print(f"sdpa decode unavailable: {exc}", file=sys.stderr)
         o_buf = cp.empty_like(q)
         r["fwd direct GPU µs"], r["fwd graph GPU µs"] = _graph_vs_direct(
             lambda: omnicupy.attention(q, k, v, causal=True, out=o_buf), cp)

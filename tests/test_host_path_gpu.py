@@ -181,7 +181,8 @@ def test_calls_return_while_the_device_is_busy():
     cp.cuda.Device().synchronize()
 
 
-@pytest.mark.parametrize("captured_first", [pytest.param(False, id="warm"), pytest.param(True, id="first-call-captured")])
+@pytest.mark.parametrize("captured_first", [pytest.param(False, id="warm"),
+                                            pytest.param(True, id="first-call-captured")])
 def test_backward_graph_capture_and_replay(captured_first):
     cp = pytest.importorskip("cupy")
     from omnicupy.ops import backward as backward_op

@@ -380,5 +380,5 @@ def remember(bm: BlockMask, key: Optional[tuple], recipe: Recipe, *alive: Any) -
     bm._recipes[key] = replace(recipe, keep=recipe.keep + alive)
 
 
-__all__ = ["ChainRecipe", "PointerSlots", "Recipe", "hold_if_capturing", "overlaps", "release_captured", "view", "signature", "switches", "launch_if_known", "recipe_for", "remember",
-           "POINTER_FIELDS"]
+__all__ = ["CALL_FIELDS", "ChainRecipe", "POINTER_FIELDS", "PointerSlots", "Recipe", "SWITCHES", "hold_if_capturing",
+           "launch_if_known", "overlaps", "recipe_for", "release_captured", "remember", "signature", "switches", "view"]
