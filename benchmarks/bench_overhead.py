@@ -83,9 +83,10 @@ def cpu_rows(calls: int) -> list[tuple[str, float]]:
     rows.append(("forward key of a call (3 views, scalars, switches)", per_call_us(key, calls)))
     cache = {key(): 1}
     rows.append(("forward key + recipe lookup", per_call_us(lambda: cache.get(key()), calls)))
-    saved = launch._ROUTE[0], launch._ROUTE_NAME[0], launch._current_stream_ptr
-    # No GPU: no route, and no CuPy stream to ask for its pointer (about 0.2 us on a GPU machine)
+    saved = launch._ROUTE[0], launch._ROUTE_NAME[0], launch._current_stream_ptr, launch._ensure_context
+    # No GPU: no route, no CuPy stream to ask for its pointer (about 0.2 us on a GPU machine), no context
     launch._ROUTE[0], launch._ROUTE_NAME[0], launch._current_stream_ptr = _null_fire, "null", lambda: 0
+    launch._ensure_context = lambda: None
     try:
         plan = type("Plan", (), {"grid": (8, 16, 2), "block": (128, 1, 1), "smem_bytes": 0})()
         fwd = recall.Recipe.make(_NullKernel(), plan, fields)
@@ -99,7 +100,7 @@ def cpu_rows(calls: int) -> list[tuple[str, float]]:
         rows.append(("backward recipe.launch, null route (13 pointers, 3 kernels)",
                      per_call_us(lambda: bwd.launch(*pointers), calls)))
     finally:
-        launch._ROUTE[0], launch._ROUTE_NAME[0], launch._current_stream_ptr = saved
+        launch._ROUTE[0], launch._ROUTE_NAME[0], launch._current_stream_ptr, launch._ensure_context = saved
     return rows
 
 

@@ -52,6 +52,7 @@ def route(monkeypatch):
     """Select a launch route for one test (restored afterwards)."""
     monkeypatch.setattr(launch, "_ROUTE", [None])
     monkeypatch.setattr(launch, "_ROUTE_NAME", [None])
+    monkeypatch.setattr(launch, "_ensure_context", lambda: None)  # no driver here
 
     def pick(name, driver=None, bindings=None):
         if driver is not None:

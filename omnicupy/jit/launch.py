@@ -106,10 +106,28 @@ class Launcher:
         if fire is None:  # picked on the first launch, not at import: importing omnicupy imports no CuPy
             use_route()
             fire = _ROUTE[0]
-        if stream_ptr is None and fire is not _fire_function:
-            stream_ptr = _current_stream_ptr()
+        if fire is not _fire_function:
+            _ensure_context()
+            if stream_ptr is None:
+                stream_ptr = _current_stream_ptr()
         for item in self.launches:
             fire(self, item, slot, stream_ptr)
+
+
+_thread = threading.local()
+
+
+def _ensure_context() -> None:
+    """cuLaunchKernel launches into the calling thread's current CUDA context. CuPy's runtime calls
+    make the device's primary context current, but a new thread that only reused pooled memory may
+    have made none yet; CuPy's own launches check the same way (once per thread here)."""
+    if getattr(_thread, "has_context", False):
+        return
+    from cupy.cuda import driver, runtime
+
+    if driver.ctxGetCurrent() == 0:
+        runtime.free(0)  # the runtime's documented way to initialise the primary context
+    _thread.has_context = True
 
 
 def _current_stream_ptr() -> int:
