@@ -183,7 +183,7 @@ def _fire_bindings(launcher: Launcher, item: KernelLaunch, slot: _Slot, stream_p
     function, *geometry = item.head
     err, = drv.cuLaunchKernel(_handle(drv.CUfunction, function), *geometry, _handle(drv.CUstream, stream_ptr),
                               slot.argv_ptr, 0)
-    if err:  # CUresult.CUDA_SUCCESS is 0
+    if int(err) != 0:  # CUresult.CUDA_SUCCESS
         raise _failed(item, err)
 
 
