@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt"
 step precompile 150 "${PRECOMPILE[@]}" --cache-dir /tmp/oc_host --ops forward,backward --head-dims 128 --dtypes fp16 --stages 2 -j 16
 
 # 2. tests
-step gpu_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/test_host_path_gpu.py tests/test_launch.py \
+step gpu_tests 180 $PY -m pytest -q -rfE -p no:cacheprovider tests/test_host_path_gpu.py tests/test_launch.py \
     tests/test_recall.py tests/test_bench_overhead.py
 
 # 3. host time per call
