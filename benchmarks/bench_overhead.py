@@ -162,7 +162,7 @@ def _check(cp, q, k, v, do) -> str:
     return f"fwd {err:.1e}, bwd {max(errs):.1e}"
 
 
-def gpu_report(seq_lens, calls: int, routes) -> list[dict]:
+def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None) -> list[dict]:
     import cupy as cp
     import torch
     import torch.nn.functional as F
@@ -207,7 +207,7 @@ def gpu_report(seq_lens, calls: int, routes) -> list[dict]:
             F.scaled_dot_product_attention(gq, gk, gv, is_causal=True).backward(tdo)
 
         r["sdpa fwd+bwd"] = per_call_us(sdpa_fb, max(calls // 4, 30), torch.cuda.synchronize)
-        if flex is not None:
+        if flex is not None and (flex_seq_lens is None or n in flex_seq_lens):  # each N compiles anew
             try:
                 bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device="cuda")
                 r["flex fwd"] = per_call_us(lambda: flex(tq, tk, tv, block_mask=bm), max(calls // 4, 30),
@@ -260,6 +260,8 @@ def main() -> int:
     parser.add_argument("--seq-lens", default="512,1024,2048,4096")
     parser.add_argument("--calls", type=int, default=300, help="timed single calls per series (forward)")
     parser.add_argument("--routes", default=None, help="launch routes to time the forward with (default: all here)")
+    parser.add_argument("--flex-seq-lens", default=None,
+                        help="the N at which to time flex (each compiles; default: every N)")
     parser.add_argument("--cpu", action="store_true", help="only the CPU report (no GPU needed)")
     args = parser.parse_args()
     cpu_report(max(args.calls, 100))
@@ -268,7 +270,8 @@ def main() -> int:
             print("no GPU: the GPU table needs one")
             return 0
         routes = args.routes.split(",") if args.routes else launch.available_routes()
-        rows = gpu_report([int(n) for n in args.seq_lens.split(",")], args.calls, routes)
+        flex_lens = None if args.flex_seq_lens is None else [int(n) for n in args.flex_seq_lens.split(",")]
+        rows = gpu_report([int(n) for n in args.seq_lens.split(",")], args.calls, routes, flex_lens)
         print(f"launch route by default: {launch.use_route(None)}")
         print_table(rows)
     return 0

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # tools/dev/host.sh - the host path on one H200 (issue 13), in one run of under 6 minutes:
-#   1. precompile the forward and backward kernels the run needs (fp16, D = 128, stage 2) into /tmp/oc_host
+#   1. precompile the forward, backward and decode kernels the run needs (fp16, D = 128) into /tmp/oc_host
 #   2. GPU tests of the host path: tests/test_host_path_gpu.py (cached calls = first calls, forward and
 #      backward; no synchronization, proved with a spinning kernel ahead in the stream; graph capture and
 #      replay incl. a never-used GPU-built mask and the backward; launch routes agree; two threads share a
 #      recipe; a refused launch is a LaunchError) plus the CPU tests of the same code
 #   3. benchmarks/bench_overhead.py: host µs per call, forward and backward, CuPy and torch inputs, each
-#      launch route, SDPA and flex side by side, direct vs graph-replayed GPU µs (N = 512..4096)
+#      launch route, a decode step, SDPA and flex (N = 1024 only: it compiles per N) side by side, direct vs
+#      graph-replayed GPU µs (N = 512, 1024, 4096)
 #   4. benchmarks/bench_masks.py: built-in masks at N = 8192 and 131072, from_dense (random_50/10) at 8192,
 #      next to torch's create_block_mask
 #   5. cold start: a fresh OMNICUPY_CACHE_DIR and CUPY_CACHE_DIR, `omnicupy precompile --ops mask`, then a NEW
@@ -40,14 +41,15 @@ PRECOMPILE=($PY -c "import sys; from omnicupy.cli import main; sys.exit(main(sys
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || true
 
 # 1. kernels of steps 2 and 3 (the tests compile their few bias / expression variants themselves)
-step precompile 150 "${PRECOMPILE[@]}" --cache-dir /tmp/oc_host --ops forward,backward --head-dims 128 --dtypes fp16 --stages 2 -j 16
+step precompile 200 "${PRECOMPILE[@]}" --cache-dir /tmp/oc_host --ops forward,backward,decode --head-dims 128 \
+    --dtypes fp16 --stages 2 -j 16
 
 # 2. tests
 step gpu_tests 180 $PY -m pytest -q -rfE -p no:cacheprovider tests/test_host_path_gpu.py tests/test_launch.py \
     tests/test_recall.py tests/test_bench_overhead.py
 
 # 3. host time per call
-step overhead 170 $PY benchmarks/bench_overhead.py --seq-lens 512,1024,2048,4096 --calls 200
+step overhead 170 $PY benchmarks/bench_overhead.py --seq-lens 512,1024,4096 --flex-seq-lens 1024 --calls 200
 
 # 4. mask builds
 step masks 120 $PY benchmarks/bench_masks.py --sizes 8192 131072 --repeat 5 --generic-max-n 8192 \
@@ -66,7 +68,7 @@ rm -rf "$COLD"
 echo
 echo "#################### results"
 cat "$OUT/gpu.txt"
-echo "--- tests"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3
+echo "--- tests"; grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 1
 echo "--- host path (bench_overhead)"; sed -n '/^| host path piece/,$p' "$OUT/overhead.log"
 echo "--- mask builds (bench_masks)"; sed -n '/^mask  /,/^$/p' "$OUT/masks.log"
 for f in cold_first_after_precompile cold_first_no_precompile; do
