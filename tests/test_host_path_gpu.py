@@ -308,16 +308,24 @@ def test_steady_state_out_that_aliases_an_input_is_refused():
 def test_torch_inputs_take_the_same_kernel(dtype):
     cp = pytest.importorskip("cupy")
     torch = pytest.importorskip("torch")
-    q, k, v = _inputs(cp, SEED, dtype=dtype)
-    want = omnicupy.attention(q, k, v, causal=True)
-    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-    for _ in range(2):  # first call, then the recipe (read by attribute)
-        assert cp.array_equal(cp.asarray(omnicupy.attention(tq, tk, tv, causal=True)), want), f"seed {SEED} {dtype}"
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    tdtype = torch.float16 if dtype == "fp16" else torch.bfloat16
+    tq, tk, tv = (torch.randn((2, 4, 777, 128), generator=gen, device="cuda").to(tdtype) for _ in range(3))
+    torch.cuda.synchronize()
+    want = omnicupy.attention(*(cp.from_dlpack(t) for t in (tq, tk, tv)), causal=True)
+    for _ in range(2):  # first call, then the recipe (tensors read by attribute)
+        assert cp.array_equal(omnicupy.attention(tq, tk, tv, causal=True), want), f"seed {SEED} {dtype}"
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # torch's current stream is not CuPy's: the general path orders them
         got = omnicupy.attention(tq, tk, tv, causal=True)
     cp.cuda.Device().synchronize()
-    assert cp.array_equal(cp.asarray(got), want), f"seed {SEED} {dtype} (torch side stream)"
+    assert cp.array_equal(got, want), f"seed {SEED} {dtype} (torch side stream)"
+    from omnicupy.ops import recall
+
+    needs_grad = tq.detach().clone().requires_grad_()
+    assert recall.view(needs_grad, cp) is None  # the general path decides about it, as on a first call
+    with torch.cuda.stream(side):
+        assert recall.view(tq, cp) is None  # another current stream: the general path orders the streams
 
 
 # ------------------------------------------------------------------ decode-shaped calls (split-KV kernel)
