@@ -404,3 +404,68 @@ def test_decode_steps_return_while_the_device_is_busy_and_replay_in_a_graph():
         from omnicupy.ops import recall
 
         recall.release_captured()
+
+
+# ------------------------------------------------------------------ paged_attention(validate=False)
+def _paged_inputs(cp, seed, B=3, Hq=8, Hkv=2, Nq=1, D=128, num_pages=80, page_size=16, max_pages=24):
+    rng = np.random.default_rng(seed)
+    crng = cp.random.default_rng(seed)
+    q = crng.standard_normal((B, Hq, Nq, D), dtype=cp.float32).astype(cp.float16)
+    k_pages, v_pages = (crng.standard_normal((num_pages, page_size, Hkv, D), dtype=cp.float32).astype(cp.float16)
+                        for _ in range(2))
+    table = cp.asarray(rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages).astype(np.int32))
+    lens = cp.asarray(rng.integers(1, max_pages * page_size + 1, size=B).astype(np.int32))
+    return q, k_pages, v_pages, table, lens
+
+
+@pytest.mark.parametrize("kwargs", [pytest.param({}, id="causal"), pytest.param({"return_lse": True}, id="lse"),
+                                    pytest.param({"num_splits": 3, "window": 100}, id="window-3-splits")])
+def test_paged_steady_state_matches_the_checked_call(kwargs):
+    cp = pytest.importorskip("cupy")
+    from omnicupy.ops import paged
+
+    for i in range(3):
+        seed = SEED + 40 + i
+        args = _paged_inputs(cp, seed)
+        fast = omnicupy.paged_attention(*args, validate=False, **kwargs)  # i > 0: the recipe
+        assert paged._recipes, "no recipe was kept"
+        checked = omnicupy.paged_attention(*args, **kwargs)  # validate=True: the general path, every time
+        for got, want in zip(fast if isinstance(fast, tuple) else [fast],
+                             checked if isinstance(checked, tuple) else [checked]):
+            assert cp.array_equal(got, want), f"seed {seed}: {kwargs}"
+
+
+def test_paged_decode_steps_do_not_wait_and_replay_in_a_graph():
+    cp = pytest.importorskip("cupy")
+    q, k_pages, v_pages, table, lens = _paged_inputs(cp, SEED)
+    lens[...] = cp.asarray(np.array([10, 100, 200], np.int32))  # room for the steps below (capacity 384)
+    out = cp.empty_like(q)
+    omnicupy.paged_attention(q, k_pages, v_pages, table, lens, validate=False, out=out)
+    lens += 0  # CuPy's kernel for the steps below, compiled before the clock starts
+    cp.cuda.Device().synchronize()
+    _spin(cp)
+    busy = cp.cuda.Event()
+    busy.record()
+    for step in range(3):
+        lens += 1
+        omnicupy.paged_attention(q, k_pages, v_pages, table, lens, validate=False, out=out)
+        assert not busy.done, f"paged decode step {step} waited for the device"
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        omnicupy.paged_attention(q, k_pages, v_pages, table, lens, validate=False, out=out)
+        graph = stream.end_capture()
+    try:
+        for new_lens in ([1, 2, 3], [384, 200, 17]):
+            with stream:
+                lens[...] = cp.asarray(np.array(new_lens, np.int32))
+                out.fill(float("nan"))
+                graph.launch(stream)
+                want = omnicupy.paged_attention(q, k_pages, v_pages, table, lens)
+            stream.synchronize()
+            assert cp.array_equal(out, want), f"seed {SEED}: replay with kv_lens {new_lens}"
+    finally:
+        from omnicupy.ops import recall
+
+        recall.release_captured()

@@ -164,7 +164,7 @@ def release_captured() -> int:
 
 
 #: Fields a recorded chain takes from the call (ChainRecipe); anything else is fixed or scratch.
-CALL_FIELDS = ("q", "k", "v", "o", "lse", "kv_lens")
+CALL_FIELDS = ("q", "k", "v", "o", "lse", "kv_lens", "page_table")
 SCRATCH_ALIGN = 256
 
 
