@@ -226,6 +226,12 @@ def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None) -> list[dict]:
         tdq, tdk, tdv = (torch.from_dlpack(x) for x in (dq_, dk_, dv_))
         r["decode cupy"] = per_call_us(lambda: omnicupy.attention(dq_, dk_, dv_, causal=True, kv_lens=lens), calls,
                                        sync)
+        pages = n // 16
+        k_pages, v_pages = (rng.standard_normal((B * pages, 16, H // 4, D), dtype=cp.float32).astype(cp.float16)
+                            for _ in range(2))
+        table = cp.arange(B * pages, dtype=cp.int32).reshape(B, pages)
+        r["paged cupy"] = per_call_us(lambda: omnicupy.paged_attention(dq_, k_pages, v_pages, table, lens,
+                                                                       validate=False), calls, sync)
         try:
             r["decode sdpa"] = per_call_us(lambda: F.scaled_dot_product_attention(tdq, tdk, tdv, enable_gqa=True),
                                            calls, torch.cuda.synchronize)
