@@ -6,7 +6,8 @@
 #      replay incl. a never-used GPU-built mask and the backward; launch routes agree; two threads share a
 #      recipe; a refused launch is a LaunchError) plus the CPU tests of the same code
 #   3. benchmarks/bench_overhead.py: host µs per call, forward and backward, CuPy and torch inputs, each
-#      launch route, a decode step (attention with device kv_lens; paged_attention validate=False), SDPA and flex (N = 1024 only: it compiles per N) side by side, direct vs
+#      launch route, a decode step (attention with device kv_lens; paged_attention validate=False), SDPA and
+#      flex (N = 1024 only: it compiles per N) side by side, direct vs
 #      graph-replayed GPU µs (N = 512, 1024, 4096)
 #   4. benchmarks/bench_masks.py: built-in masks at N = 8192 and 131072, from_dense (random_50/10) at 8192,
 #      next to torch's create_block_mask
