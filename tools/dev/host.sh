@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # tools/dev/host.sh - the host path on one H200 (issue 13), in one run of under 6 minutes:
 #   1. precompile the forward, backward and decode kernels the run needs (fp16, D = 128) into /tmp/oc_host
-#   2. GPU tests of the host path: tests/test_host_path_gpu.py (cached calls = first calls, forward and
-#      backward; no synchronization, proved with a spinning kernel ahead in the stream; graph capture and
-#      replay incl. a never-used GPU-built mask and the backward; launch routes agree; two threads share a
-#      recipe; a refused launch is a LaunchError) plus the CPU tests of the same code
+#   2. GPU tests of the host path: tests/test_host_path_gpu.py (cached calls = first calls for the forward,
+#      backward, decode-shaped attention and paged_attention(validate=False); no synchronization, proved
+#      with a spinning kernel ahead in the stream; graph capture and replay incl. a never-used GPU-built
+#      mask, the backward and decode steps with new device kv_lens; launch routes agree; threads share a
+#      recipe; a refused launch is a LaunchError; torch tensors) plus the CPU tests of the same code
 #   3. benchmarks/bench_overhead.py: host µs per call, forward and backward, CuPy and torch inputs, each
 #      launch route, a decode step (attention with device kv_lens; paged_attention validate=False), SDPA and
 #      flex (N = 1024 only: it compiles per N) side by side, direct vs
