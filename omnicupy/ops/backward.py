@@ -173,6 +173,24 @@ class Workspace:
 release_captured = recall.release_captured
 
 
+def _mask_tables(bm: BlockMask, kv_tile: int, deterministic: bool, cp) -> tuple:
+    """(transposed index, forward metadata, dQ ranks or None) of ``bm`` on this device, cached on the
+    mask. They are built by CuPy kernels; while the current stream is being captured into a CUDA
+    graph those would only be recorded (run at replay, not now), so a first build then runs on a
+    side stream that is waited for: the tables exist before the capture ends. The side stream is
+    a blocking one, ordered after work on the legacy default stream (a mask built there just before)."""
+    def build():
+        return backward_index(bm), bm.device_metadata(), dq_ranks(bm, kv_tile) if deterministic else None
+
+    if not cp.cuda.get_current_stream().is_capturing():
+        return build()
+    side = cp.cuda.Stream()
+    with side:
+        tables = build()
+    side.synchronize()
+    return tables
+
+
 def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float, plan: Plan,
             extras: BackwardExtras, deterministic: bool) -> recall.Recipe:
     cp = arrays.cupy_module()
@@ -189,8 +207,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
     workspace = Workspace.of(B, Hq, Nq, D, q_len_pad, variant.br, passes, deterministic)
-    index = backward_index(bm)
-    meta = bm.device_metadata()
+    index, meta, ranks = _mask_tables(bm, variant.bc, deterministic, cp)
     user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
         "q": inp.q, "k": inp.k, "v": inp.v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
@@ -205,7 +222,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         "scale_log2": float(np.log2(np.e)) * (1.0 if extras.transforms_scores else scale),
         "q_num_blocks": index.q_num_blocks, "q_indices": index.q_indices, "q_types": index.q_types,
         "q_partial_index": index.q_partial_index,
-        "q_rank": dq_ranks(bm, variant.bc) if deterministic else None,
+        "q_rank": ranks,
         "t_row_sb": index.row_stride_batch, "t_row_sh": index.row_stride_head, "t_width": index.width,
         "partial_masks": meta.partial_block_masks, "q_block_size": bm.q_block_size,
         "kv_block_size": bm.kv_block_size,
