@@ -56,7 +56,7 @@ _ENV_KEYS = tuple(os.environ.encodekey(name) for name in SWITCHES) if _ENV_DATA 
 
 def switches() -> tuple:
     """The raw values of the dispatch switches now (None where unset)."""
-    if _ENV_KEYS is not None and os.environ._data is _ENV_DATA:
+    if _ENV_KEYS is not None and getattr(os.environ, "_data", None) is _ENV_DATA:
         return tuple(map(_ENV_DATA.get, _ENV_KEYS))
     return tuple(map(os.environ.get, SWITCHES))
 
