@@ -14,7 +14,7 @@ import omnicupy
 from omnicupy.dispatch import tiles
 from omnicupy.dispatch.params import FORWARD_TMA
 from omnicupy.dispatch.variant import Variant
-from omnicupy.jit import compiler, env, render
+from omnicupy.jit import compiler, env, launch, render
 from omnicupy.ops import forward, recall, tma
 
 SHIPPED = tiles.shipped_variants(families=("tma",))
@@ -136,11 +136,24 @@ def test_tensor_maps_available_means_the_tma_family(monkeypatch):
     assert plan.block == (384, 1, 1) and plan.smem_bytes == plan.variant.smem_bytes
 
 
-def test_recipe_writes_the_maps_of_each_calls_pointers():
+def test_recipe_writes_the_maps_of_each_calls_pointers(monkeypatch):
     seen = []
-    recipe = recall.Recipe(kernel=lambda *a, **k: seen.append(bytes(a[2][0])), plan=type("P", (), {
-        "grid": (1, 1, 1), "block": (384, 1, 1), "smem_bytes": 0})(), template=bytes(FORWARD_TMA.size),
-        slots=tuple(FORWARD_TMA.offset(n) for n in ("q", "k", "v", "o", "lse")), keep=(), params=FORWARD_TMA,
+
+    class FakeKernel:  # the CuPy-function route: called with the struct as one record
+        name, function_ptr = "fake", 0
+
+        def __call__(self, grid, block, args, **kwargs):
+            seen.append(bytes(args[0]))
+
+    monkeypatch.setattr(launch, "_ROUTE", [None])
+    monkeypatch.setattr(launch, "_ROUTE_NAME", [None])
+    launch.use_route("function")
+    plan = type("P", (), {"grid": (1, 1, 1), "block": (384, 1, 1), "smem_bytes": 0})()
+    recipe = recall.Recipe(
+        plan=plan, launcher=launch.Launcher(bytes(FORWARD_TMA.size), [launch.KernelLaunch(FakeKernel(), (1, 1, 1),
+                                                                                          (384, 1, 1))]),
+        slots=recall.PointerSlots(FORWARD_TMA.offset(n) for n in ("q", "k", "v", "o", "lse")), keep=(),
+        params=FORWARD_TMA,
         maps=lambda buf, ptrs: buf.__setitem__(slice(FORWARD_TMA.offset("q_map"), FORWARD_TMA.offset("q_map") + 8),
                                                ptrs[0].to_bytes(8, "little")))
     recipe.launch(0xABC0, 0x10, 0x20, 0x30, 0)

@@ -33,6 +33,11 @@ class LoadedKernel:
                  stream: Optional[Any] = None) -> None:
         self._function(tuple(grid), tuple(block), args, shared_mem, stream)
 
+    @property
+    def function_ptr(self) -> int:
+        """The driver's CUfunction handle, for launching without CuPy's argument packing (jit/launch.py)."""
+        return int(self._function.ptr)
+
     def _attribute(self, which: str) -> int:
         from cupy.cuda import driver
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -24,10 +24,12 @@ from .. import arrays, jit
 from ..dispatch.arch import current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
-from ..errors import ArgumentError, CompileError
+from ..errors import ArgumentError, CompileError, OmnicupyError
+from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
+from . import recall
 from .backward_index import backward_index, dq_ranks
-from .forward import Extras, _bias_fields, _element_strides, resolve_mask
+from .forward import CAUSAL_MODES, Extras, _bias_fields, _builtin_mask, _element_strides, resolve_mask
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
@@ -117,8 +119,80 @@ def make_plan(inp: Inputs, bm: BlockMask, extras: BackwardExtras, arch: Optional
                          score_grad=extras.score_grad, arch=arch)
 
 
+#: The backward struct's per-call pointers, in the order Recipe.launch takes them.
+POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "delta", "dq_accum", "dq_semaphore")
+#: Byte alignment of each workspace part inside the one allocation.
+WORKSPACE_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The per-call scratch of one backward signature, in one allocation: lse_log2 and delta (fp32
+    ``[B, Hq, q_len_pad]``), the fp32 dQ accumulator ``[B, Hq, Nq, D]`` (D: the tile's head dim,
+    wider than the caller's when padded; zeroed by the preprocess kernel) and, for ``deterministic=True``, the int32 turn counters (zeroed here, on the stream)."""
+
+    sizes: tuple[int, int, int, int]  # bytes of lse_log2, delta, dq_accum, dq_semaphore (0: none)
+
+    @classmethod
+    def of(cls, batch: int, heads: int, q_len: int, head_dim: int, q_len_pad: int, q_tile: int, passes: int,
+           deterministic: bool) -> "Workspace":
+        rows = batch * heads * q_len_pad * 4
+        semaphore = batch * heads * (q_len_pad // q_tile) * passes * 4 if deterministic else 0
+        return cls((rows, rows, batch * heads * q_len * head_dim * 4, semaphore))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, at = [], 0
+        for size in self.sizes:
+            out.append(at)
+            at += -(-size // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        return tuple(out)
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1] + self.sizes[-1]
+
+    def allocate(self, cp) -> tuple[Any, tuple[int, int, int, int]]:
+        """(the allocation, to keep until the launches are queued; its four part pointers, 0 for none).
+
+        Outside a CUDA-graph capture the allocation goes back to CuPy's pool when dropped, reusable by
+        later work on the same stream only (stream order keeps that safe). During a capture the graph
+        keeps these addresses for every replay, so the allocation is kept for the life of the process
+        (``recall.hold_if_capturing``; ``release_captured()`` frees it once no graph will replay)."""
+        memory = cp.cuda.alloc(max(self.total, 1))
+        base = memory.ptr
+        pointers = tuple(base + off if size else 0 for off, size in zip(self.offsets, self.sizes))
+        stream = cp.cuda.get_current_stream()
+        if self.sizes[3]:
+            cp.cuda.runtime.memsetAsync(pointers[3], 0, self.sizes[3], stream.ptr)
+        recall.hold_if_capturing(memory, stream)
+        return memory, pointers
+
+
+#: Drop the workspaces kept for captured graphs (ops/recall.py).
+release_captured = recall.release_captured
+
+
+def _mask_tables(bm: BlockMask, kv_tile: int, deterministic: bool, cp) -> tuple:
+    """(transposed index, forward metadata, dQ ranks or None) of ``bm`` on this device, cached on the
+    mask. They are built by CuPy kernels; while the current stream is being captured into a CUDA
+    graph those would only be recorded (run at replay, not now), so a first build then runs on a
+    side stream that is waited for: the tables exist before the capture ends. The side stream is
+    a blocking one, ordered after work on the legacy default stream (a mask built there just before)."""
+    def build():
+        return backward_index(bm), bm.device_metadata(), dq_ranks(bm, kv_tile) if deterministic else None
+
+    if not cp.cuda.get_current_stream().is_capturing():
+        return build()
+    side = cp.cuda.Stream()
+    with side:
+        tables = build()
+    side.synchronize()
+    return tables
+
+
 def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float, plan: Plan,
-            extras: BackwardExtras, deterministic: bool) -> None:
+            extras: BackwardExtras, deterministic: bool) -> recall.Recipe:
     cp = arrays.cupy_module()
     try:
         pre, main, convert = _kernels(plan.variant)
@@ -131,21 +205,16 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     variant = plan.variant
     B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
-    lse_log2 = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
-    delta = cp.empty((B, Hq, q_len_pad), dtype=np.float32)
-    # zeroed by the preprocess kernel; rows of the tile's head dim (wider than D when padded)
-    dq_accum = cp.empty((B, Hq, Nq, variant.head_dim), dtype=np.float32)
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
-    semaphore = cp.zeros((B, Hq, q_len_pad // variant.br, passes), dtype=np.int32) if deterministic else None
-    index = backward_index(bm)
-    meta = bm.device_metadata()
+    workspace = Workspace.of(B, Hq, Nq, variant.head_dim, q_len_pad, variant.br, passes, deterministic)
+    index, meta, ranks = _mask_tables(bm, variant.bc, deterministic, cp)
     user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
         "q": inp.q, "k": inp.k, "v": inp.v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
         **_element_strides(inp.q, "q"), **_element_strides(inp.k, "k"), **_element_strides(inp.v, "v"),
         **_element_strides(out, "o"), **_element_strides(dout, "do"), **_element_strides(dq, "dq"),
         **_element_strides(dk, "dk"), **_element_strides(dv, "dv"),
-        "lse_log2": lse_log2, "delta": delta, "dq_accum": dq_accum, "dq_semaphore": semaphore,
+        "lse_log2": None, "delta": None, "dq_accum": None, "dq_semaphore": None,  # per call (Workspace)
         "q_len_pad": q_len_pad, "num_heads": Hq, "q_len": Nq, "kv_len": inp.kv_len,
         "kv_group": Hq // inp.kv_heads, "scale": scale,
         # As in the forward: raw scores with the scale folded into exp2, unless the kernel
@@ -153,18 +222,77 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         "scale_log2": float(np.log2(np.e)) * (1.0 if extras.transforms_scores else scale),
         "q_num_blocks": index.q_num_blocks, "q_indices": index.q_indices, "q_types": index.q_types,
         "q_partial_index": index.q_partial_index,
-        "q_rank": dq_ranks(bm, variant.bc) if deterministic else None,
+        "q_rank": ranks,
         "t_row_sb": index.row_stride_batch, "t_row_sh": index.row_stride_head, "t_width": index.width,
         "partial_masks": meta.partial_block_masks, "q_block_size": bm.q_block_size,
         "kv_block_size": bm.kv_block_size,
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
-    packed = (BACKWARD.pack(fields),)
-    rows = (cdiv(q_len_pad, ROW_WARPS), Hq, B)
-    pre(rows, (32 * ROW_WARPS, 1, 1), packed)
-    main(plan.grid, plan.block, packed, shared_mem=plan.smem_bytes)
-    convert((cdiv(Nq, ROW_WARPS), Hq, B), (32 * ROW_WARPS, 1, 1), packed)
+    row_block = (32 * ROW_WARPS, 1, 1)
+    launches = [KernelLaunch(pre, (cdiv(q_len_pad, ROW_WARPS), Hq, B), row_block),
+                KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
+                KernelLaunch(convert, (cdiv(Nq, ROW_WARPS), Hq, B), row_block)]
+    recipe = recall.Recipe.make(main, plan, fields, BACKWARD, pointer_fields=POINTER_FIELDS, launches=launches,
+                                workspace=workspace)
+    scratch, parts = workspace.allocate(cp)
+    recipe.launch(*(x.data.ptr for x in (inp.q, inp.k, inp.v, out, dout, lse, dq, dk, dv)), *parts)
+    del scratch  # back to CuPy's pool, reusable by later work on this stream only
+    return recipe
+
+
+def _steady_key(dout, q, k, v, out, lse, grads: Sequence[Any], block_mask, causal, scale, bias, score_mod,
+                deterministic, fuse_mask, cp) -> tuple[Optional[tuple], Optional[BlockMask], Optional[tuple]]:
+    """(key, mask, views) of a call the steady state may serve, or Nones (ops/recall.py)."""
+    views = (recall.view(dout, cp), recall.view(q, cp), recall.view(k, cp), recall.view(v, cp), recall.view(out, cp),
+             recall.view(lse, cp))
+    if None in views or any(len(vw[1]) != 4 for vw in views[:5]) or not (bias is None or type(bias) is cp.ndarray):
+        return None, None, None
+    # User gradient buffers only as CuPy arrays: the general path returns other kinds as CuPy views
+    if any(g is not None and type(g) is not cp.ndarray for g in grads):
+        return None, None, None
+    grad_views = tuple(None if g is None else recall.view(g, cp) for g in grads)
+    scalars = (causal, scale, deterministic, fuse_mask)
+    key = ("backward", *recall.signature((*views, *(gv for gv in grad_views if gv is not None)), ()),
+           tuple(g is None for g in grads), id(bias), id(score_mod), *scalars, *map(type, scalars))
+    mask = block_mask if isinstance(block_mask, BlockMask) else None
+    if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
+        try:
+            mask = _builtin_mask(CAUSAL_MODES[causal], views[1][1][2], views[2][1][2])
+        except OmnicupyError:  # sizes no mask can have: the general path names the problem
+            mask = None
+    return key, mask, views + grad_views
+
+
+def _launch_if_known(mask: BlockMask, key: tuple, views: tuple, grads: Sequence[Any], cp) -> Optional[tuple]:
+    """The steady state: (dq, dk, dv) launched from the mask's recipe, or None (general path)."""
+    recipe = recall.recipe_for(mask, key)
+    if recipe is None:
+        return None
+    dev = views[1][4]
+    pointers = []
+    for vw in views[:6]:
+        if vw[4] != dev or vw[0] % 16:
+            return None
+        pointers.append(vw[0])
+    if dev != cp.cuda.runtime.getDevice():
+        return None
+    q_view, k_view = views[1], views[2]
+    results = []
+    for user, vw, like in zip(grads, views[6:], (q_view, k_view, k_view)):
+        if user is None:
+            user = cp.ndarray(like[1], like[3])
+            ptr = user.data.ptr
+        else:
+            ptr = vw[0]
+            if ptr % 16 or vw[4] != dev:
+                return None
+        results.append(user)
+        pointers.append(ptr)
+    scratch, parts = recipe.workspace.allocate(cp)
+    recipe.launch(*pointers, *parts)
+    del scratch
+    return tuple(results)
 
 
 def attention_backward(
@@ -205,6 +333,15 @@ def attention_backward(
     With ``fuse_mask=True`` PARTIAL blocks evaluate the mask's CUDA expression instead of its bits.
     NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
     """
+    key = None
+    cp = arrays.cupy_module()
+    if cp is not None:
+        key, mask, views = _steady_key(dout, q, k, v, out, lse, (dq, dk, dv), block_mask, causal, scale, bias,
+                                       score_mod, deterministic, fuse_mask, cp)
+        if mask is not None:
+            found = _launch_if_known(mask, key, views, (dq, dk, dv), cp)
+            if found is not None:
+                return found
     host_result = arrays.is_numpy(q)
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
@@ -235,8 +372,11 @@ def attention_backward(
     lse_d = cp.ascontiguousarray(lse_d)
     plan = make_plan(inp, bm, extras, current_arch())
     buffers = {name: _device_grad(user[name], q_shape if name == "dq" else kv_shape, inp.q.dtype) for name in user}
-    _launch(inp, dout_d, out_d, lse_d, buffers["dq"][0], buffers["dk"][0], buffers["dv"][0], bm, scale, plan, extras,
-            bool(deterministic))
+    recipe = _launch(inp, dout_d, out_d, lse_d, buffers["dq"][0], buffers["dk"][0], buffers["dv"][0], bm, scale, plan,
+                     extras, bool(deterministic))
+    if key is not None and not host_result and all(copy_into is None for _, copy_into in buffers.values()) \
+            and all(x.data.ptr == vw[0] for x, vw in zip((dout_d, inp.q, inp.k, inp.v, out_d, lse_d), views)):
+        recall.remember(bm, key, recipe, bias, score_mod)  # nothing was copied: the recipe fits later calls
     results = []
     for name in ("dq", "dk", "dv"):
         got, copy_into = buffers[name]
@@ -267,4 +407,4 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
     return make_plan(inp, bm, extras, arch)
 
 
-__all__ = ["attention_backward", "plan"]
+__all__ = ["Workspace", "attention_backward", "plan", "release_captured"]

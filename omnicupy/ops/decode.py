@@ -430,12 +430,14 @@ def decode_attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = N
 
 
 def run_decode(plan: DecodePlan, inp: Inputs, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
-               block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> None:
+               block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None,
+               record: Optional[list] = None) -> None:
     """Launch ``plan`` on device inputs (``ops.inputs.on_device``) into the device output ``o``
-    ([B, Hq, Nq, D], 16-byte aligned rows) and ``lse`` (contiguous float32 [B, Hq, Nq] or None)."""
+    ([B, Hq, Nq, D], 16-byte aligned rows) and ``lse`` (contiguous float32 [B, Hq, Nq] or None).
+    ``record``: see ``launch``."""
     cache = KVSource.contiguous(inp.k, inp.v)
     launch(plan, inp.q, cache, o, lse, scale, kv_lens=device_lengths(kv_lens), block_mask=block_mask,
-           score_expr=score_expr)
+           score_expr=score_expr, record=record)
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -512,9 +514,26 @@ def _mask_fields(bm: Optional[BlockMask]) -> dict[str, Any]:
             "kv_block_size": bm.kv_block_size}
 
 
+#: Launch fields that launch() allocates per call (the split results the combine merges): the
+#: steady state allocates them anew per call (ops/recall.py, ChainRecipe).
+SCRATCH_FIELDS = ("part_o", "part_ml")
+
+
+def _call(kernel: Any, grid: tuple, block: tuple, params: Any, fields: dict, shared_mem: int,
+          record: Optional[list]) -> None:
+    """One launch with its struct packed by name; ``record`` (the steady state's, ops/recall.py)
+    collects what was launched, in order."""
+    kernel(grid, block, (params.pack(fields),), shared_mem=shared_mem)
+    if record is not None:
+        record.append((kernel, grid, block, shared_mem, params, fields))
+
+
 def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
-           block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> None:
-    """Fill DecodeParams by name and launch the split kernel (and the combine) on the current stream."""
+           block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None,
+           record: Optional[list] = None) -> None:
+    """Fill DecodeParams by name and launch the split kernel (and the combine) on the current stream.
+    ``record``, a list, receives (kernel, grid, block, shared_mem, struct, fields) per launch: what
+    attention()'s steady state replays with new pointers (ops/recall.py, ChainRecipe)."""
     cp = arrays.cupy_module()
     B, Hq, Nq, D = (int(n) for n in q.shape)
     item = q.itemsize
@@ -557,13 +576,13 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "user_arrays": list(score_expr.device_arrays()) if score_expr is not None else [],
     }
     kernel = jit.get_kernel(plan.split.variant)
-    kernel(plan.split.grid, plan.split.block, (DECODE.pack(fields),), shared_mem=plan.split.smem_bytes)
+    _call(kernel, plan.split.grid, plan.split.block, DECODE, fields, plan.split.smem_bytes, record)
     if plan.combine is not None:
         cfields = {"part_o": part_o, "part_ml": part_ml, "o": o, "lse": lse,
                    "o_sb": os_[0], "o_sh": os_[1], "o_sn": os_[2], "rows": B * Hq * Nq, "num_heads": Hq,
                    "q_len": Nq, "num_splits": splits}
         combine = jit.get_kernel(plan.combine.variant)
-        combine(plan.combine.grid, plan.combine.block, (COMBINE.pack(cfields),), shared_mem=0)
+        _call(combine, plan.combine.grid, plan.combine.block, COMBINE, cfields, 0, record)
 
 
 __all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention", "plan_split_kv", "launch",

@@ -149,8 +149,10 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         maps = tma.MapWriter.make(plan.variant, inp.q, inp.k, inp.v, inp.dtype)
         fields.update(maps.fields(inp.q.data.ptr, inp.k.data.ptr, inp.v.data.ptr), batch=inp.batch,
                       **_device_cta_tiles(bm, plan))
-    kernel(plan.grid, plan.block, (params.pack(fields),), shared_mem=plan.smem_bytes)
-    return recall.Recipe.make(kernel, plan, fields, params, maps)
+    # The first call launches through its recipe too: one route for first and later calls.
+    recipe = recall.Recipe.make(kernel, plan, fields, params, maps)
+    recipe.launch(*(0 if x is None else x.data.ptr for x in (inp.q, inp.k, inp.v, o, lse)))
+    return recipe
 
 
 def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask) -> tuple[Inputs, BlockMask, Extras]:
@@ -231,17 +233,21 @@ def attention(
     with no allowed key, whose output is 0).
     """
     key = None
-    if kv_lens is None and num_splits is None and arrays.gpu_available():
-        cp = arrays.cupy_module()
-        views = [recall.view(x, cp) for x in (q, k, v)]
-        out_view = None if out is None else recall.view(out, cp)
-        simple = bias is None or type(bias) is cp.ndarray
-        if None not in views and all(len(vw[1]) == 4 for vw in views) and (out is None or out_view is not None) \
-                and simple:
+    cp = arrays.cupy_module()
+    # Device lengths only: host lengths are read on the host (they pick the decode plan), per call.
+    if cp is not None and (kv_lens is None or type(kv_lens) is cp.ndarray):
+        # The steady state (ops/recall.py): no GPU query here; a recipe exists only after a call ran.
+        views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp))
+        # A user ``out`` only as a CuPy array: the general path returns other kinds as CuPy views
+        out_view = None if out is None or type(out) is not cp.ndarray else recall.view(out, cp)
+        lens_view = None if kv_lens is None else recall.view(kv_lens, cp)
+        if None not in views and len(views[0][1]) == 4 and len(views[1][1]) == 4 and len(views[2][1]) == 4 \
+                and (out is None or out_view is not None) and (bias is None or type(bias) is cp.ndarray):
             # Scalars enter with their types: 2 and 2.0 (or 1 and True) are equal keys but not equally valid.
-            scalars = (causal, scale, return_lse, stages, fuse_mask)
-            key = recall.signature(views + ([] if out_view is None else [out_view]),
-                                   (out is None, id(bias), id(score_mod), *scalars, *map(type, scalars)))
+            key = (*recall.signature(views if out_view is None else (*views, out_view), ()),
+                   out is None, id(bias), id(score_mod), causal, scale, return_lse, stages, fuse_mask, num_splits,
+                   type(causal), type(scale), type(return_lse), type(stages), type(fuse_mask), type(num_splits),
+                   None if lens_view is None else lens_view[1:])
             mask = block_mask if isinstance(block_mask, BlockMask) else None
             if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
                 try:
@@ -250,7 +256,7 @@ def attention(
                     mask = None
             if mask is not None:
                 result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view),
-                                                return_lse, cp)
+                                                return_lse, cp, lens_view)
                 if result is not None:
                     return result
     host_result = arrays.is_numpy(q)
@@ -268,9 +274,17 @@ def attention(
     split_kv = decode.decode_plan(inp, block_mask if isinstance(block_mask, BlockMask) else None, kv_lens, num_splits,
                                   causal=causal, score_expr=extras.score_expr, bias=extras.bias, arch=current_arch())
     if split_kv is not None:
+        record = [] if key is not None and copy_into is None and not host_result else None
         decode.run_decode(split_kv, inp, o, lse, scale, kv_lens=decode.check_lengths(kv_lens, inp.batch, inp.kv_len),
                           block_mask=block_mask if isinstance(block_mask, BlockMask) else None,
-                          score_expr=extras.score_expr)
+                          score_expr=extras.score_expr, record=record)
+        if record:  # the steady state replays the recorded launches with the next call's pointers
+            pointers = {"q": inp.q.data.ptr, "k": inp.k.data.ptr, "v": inp.v.data.ptr, "o": o.data.ptr,
+                        "lse": None if lse is None else lse.data.ptr,
+                        "kv_lens": None if kv_lens is None else kv_lens.data.ptr}  # a CuPy array here
+            chain = recall.ChainRecipe.from_record(record, pointers, decode.SCRATCH_FIELDS)
+            if chain is not None:
+                recall.remember(bm, key, chain, bias, score_mod)
     else:
         recipe = _launch(inp, o, lse, bm, scale, make_plan(inp, bm, stages, extras, current_arch()), extras)
         if copy_into is None and not host_result:

@@ -12,6 +12,7 @@ Table entries past a sequence's last page are never read, so they may hold anyth
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import numpy as np
@@ -20,11 +21,15 @@ from .. import arrays
 from ..checks import check_int
 from ..dispatch.variant import check_head_dim
 from ..errors import ArgumentError, KVCacheError
-from . import decode
+from . import decode, recall
 from .inputs import aligned, as_array, check_device, check_layout, check_scale, check_score_mod, require_gpu, to_device
 
 LAYOUTS = ("NHD", "HND")
 MAX_CAPACITY = 2**31 - 1
+#: Steady-state launches of ``paged_attention(validate=False)`` per call signature (ops/recall.py):
+#: there is no BlockMask to keep them on. Cleared when full.
+_recipes: dict = {}
+MAX_RECIPES = 64
 
 
 def _check_pages(k_pages: Any, v_pages: Any, q: Any, layout: str) -> tuple[Any, Any, int, int, int]:
@@ -107,7 +112,20 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
     checked, but the kernel still never reads outside the cache: bad lengths are clamped, keys on
     bad pages are skipped, and ``omnicupy.ops.decode.take_device_errors()`` reports them.
 
-    Returns out (NumPy for NumPy q, else CuPy) or ``(out, lse)``, lse float32 ``[B, Hq, Nq]``."""
+    Returns out (NumPy for NumPy q, else CuPy) or ``(out, lse)``, lse float32 ``[B, Hq, Nq]``.
+
+    A repeated call with ``validate=False``, CuPy metadata and the same signature (shapes, strides,
+    dtypes, options) skips the checks and the plan: it writes its pointers into the first call's
+    launch and never synchronizes (a decode loop can be captured in a CUDA graph)."""
+    key = views = None
+    cp = arrays.cupy_module()
+    if validate is False and cp is not None and type(page_table) is cp.ndarray and type(kv_lens) is cp.ndarray:
+        key, views = _steady_key((q, k_pages, v_pages, page_table, kv_lens), out, (
+            causal, window, scale, id(score_mod), return_lse, layout, num_splits, out is None), cp)
+        if key is not None:
+            found = _launch_if_known(key, views, out, return_lse, cp)
+            if found is not None:
+                return found
     host_result = arrays.is_numpy(q)
     qa = as_array(q, "q")
     dtype = check_layout(qa, "q")
@@ -165,13 +183,62 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
     if o is None:
         o = cp.empty(out_shape, dtype=qd.dtype)
     lse = cp.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
-    decode.launch(plan, qd, cache, o, lse, scale, kv_lens=lens_d, score_expr=score_expr)
+    record = [] if key is not None and not host_result and (out is None or o is out) else None
+    decode.launch(plan, qd, cache, o, lse, scale, kv_lens=lens_d, score_expr=score_expr, record=record)
+    if record and all(x.data.ptr == vw[0] for x, vw in zip((qd, kd, vd, table_d, lens_d), views)):
+        pointers = {"q": qd.data.ptr, "k": kd.data.ptr, "v": vd.data.ptr, "o": o.data.ptr,
+                    "lse": None if lse is None else lse.data.ptr, "kv_lens": lens_d.data.ptr,
+                    "page_table": table_d.data.ptr}
+        chain = recall.ChainRecipe.from_record(record, pointers, decode.SCRATCH_FIELDS)
+        if chain is not None:
+            if len(_recipes) >= MAX_RECIPES:
+                _recipes.clear()
+            _recipes[key] = replace(chain, keep=chain.keep + (score_mod,))  # the key names it by identity
     if out is not None and o is not out:
         out[...] = o.get() if arrays.is_numpy(out) else o
         o = out
     if host_result:
         o = o if arrays.is_numpy(o) else o.get()
         lse = None if lse is None else lse.get()
+    return (o, lse) if return_lse else o
+
+
+def _steady_key(arrays_in: tuple, out: Any, scalars: tuple, cp) -> tuple[Optional[tuple], Optional[tuple]]:
+    """(key, views of q, k_pages, v_pages, page_table, kv_lens[, out]) of a call the steady state may
+    serve, or (None, None). Scalars enter with their types (2 and 2.0 are equal keys)."""
+    views = tuple(recall.view(x, cp) for x in arrays_in)
+    out_view = None
+    if out is not None:
+        out_view = recall.view(out, cp) if type(out) is cp.ndarray else None
+        if out_view is None:
+            return None, None
+    if None in views:
+        return None, None
+    all_views = views if out_view is None else (*views, out_view)
+    key = (*recall.signature(all_views, ()), *scalars, *map(type, scalars))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument: the general path says what is wrong
+        return None, None
+    return key, all_views
+
+
+def _launch_if_known(key: tuple, views: tuple, out: Any, return_lse: bool, cp):
+    """Launch the recipe of ``key`` (None when there is none or the pointers do not allow it)."""
+    recipe = _recipes.get(key)
+    if recipe is None:
+        return None
+    dev = views[0][4]
+    for i, vw in enumerate(views):
+        if vw[4] != dev or (i in (0, 1, 2, 5) and vw[0] % 16):  # q, k, v, out: 16-byte loads and stores
+            return None
+    if dev != cp.cuda.runtime.getDevice() or (out is not None and recall.overlaps(views[5], views[:3])):
+        return None
+    q_view = views[0]
+    o = out if out is not None else cp.ndarray(q_view[1], q_view[3])
+    lse = cp.ndarray(q_view[1][:3], np.float32) if return_lse else None
+    recipe.launch(cp, {"q": q_view[0], "k": views[1][0], "v": views[2][0], "o": o.data.ptr,
+                       "lse": 0 if lse is None else lse.data.ptr, "kv_lens": views[4][0], "page_table": views[3][0]})
     return (o, lse) if return_lse else o
 
 

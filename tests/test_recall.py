@@ -1,0 +1,46 @@
+"""Steady-state bookkeeping that needs no GPU: the output-overlap test of ops/recall.py and the
+backward's one-allocation workspace layout (ops/backward.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnicupy.ops import recall
+from omnicupy.ops.backward import WORKSPACE_ALIGN, Workspace
+
+F16 = np.dtype(np.float16)
+
+
+def _view(ptr, shape, dtype=F16, strides=None):
+    strides = strides or tuple(np.empty(shape, dtype).strides) if 0 not in shape else (0,) * len(shape)
+    return ptr, shape, strides, np.dtype(dtype), 0
+
+
+@pytest.mark.parametrize("out, others, expected", [
+    pytest.param(_view(0x10000, (1, 2, 8, 64)), [_view(0x10000, (1, 2, 8, 64))], True, id="same-buffer"),
+    pytest.param(_view(0x10000, (1, 2, 8, 64)), [_view(0x10000 + 2048, (1, 2, 8, 64))], False, id="adjacent-after"),
+    pytest.param(_view(0x10000 + 2048, (1, 2, 8, 64)), [_view(0x10000, (1, 2, 8, 64))], False, id="adjacent-before"),
+    pytest.param(_view(0x10000 + 2046, (1, 2, 8, 64)), [_view(0x10000, (1, 2, 8, 64))], True, id="last-element"),
+    pytest.param(_view(0x10000, (1, 1, 8, 64), strides=(4096, 4096, 256, 2)), [_view(0x10080, (1, 1, 8, 64),
+                 strides=(4096, 4096, 256, 2))], True, id="interleaved-rows-span"),  # conservative: spans overlap
+    pytest.param(_view(0x20000, (1, 2, 8, 64)), [_view(0x10000, (1, 2, 8, 64)), _view(0x20400, (1, 1, 1, 64))], True,
+                 id="second-input"),
+    pytest.param(_view(0x20000, (1, 2, 0, 64)), [_view(0x20000, (1, 2, 8, 64))], False, id="empty-out"),
+    pytest.param(_view(0x20000 + 4 * 1024, (2, 2, 8, 64), strides=(-4096, 2048, 128, 2)),
+                 [_view(0x20000, (1, 1, 1, 64))], True, id="negative-stride"),
+])
+def test_overlaps(out, others, expected):
+    assert recall.overlaps(out, others) is expected
+
+
+@pytest.mark.parametrize("deterministic", [pytest.param(False, id="atomic"), pytest.param(True, id="deterministic")])
+def test_workspace_parts_are_aligned_and_disjoint(deterministic):
+    B, H, N, D, br, passes = 2, 3, 777, 128, 64, 2
+    pad = -(-N // br) * br
+    ws = Workspace.of(B, H, N, D, pad, br, passes, deterministic)
+    assert ws.sizes == (B * H * pad * 4, B * H * pad * 4, B * H * N * D * 4,
+                        B * H * (pad // br) * passes * 4 if deterministic else 0)
+    spans = [(off, off + size) for off, size in zip(ws.offsets, ws.sizes) if size]
+    assert all(off % WORKSPACE_ALIGN == 0 for off in ws.offsets)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert ws.total >= spans[-1][1]
