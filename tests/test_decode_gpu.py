@@ -268,3 +268,81 @@ def test_varlen_attention(request, q_lens, k_lens, Hq, Hkv, D, dtype, causal):
     want, want_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
     # rows as [Hq, total_q, D] so that the LSE [Hq, total_q] lines up with them
     compare(got.transpose(1, 0, 2), lse, want.transpose(1, 0, 2), want_lse, dtype, label, seed)
+
+
+# ------------------------------------------------------------------- prefill at the bench's size
+# bench_decode.py --parts prefill died with cudaErrorIllegalAddress (issue 16), and at 32 query heads
+# the padded batch (q of exactly 2**31 bytes) met an illegal address in attention(). These run the
+# same calls at the same sizes, into NaN-poisoned outputs, and check the rows at the highest
+# addresses (the end of the longest sequence, the last batch and head), where a 32-bit offset
+# would go wrong. tools/dev/dec_prefill.py runs them step by step.
+PREFILL_LENGTHS = (1024, 2048, 3072, 4096, 8192, 12288, 16384, 32768)
+
+
+def _device_randn(cp, shape, seed, chunk=1 << 24):
+    """fp16 unit normals generated on the device in chunks of ``chunk`` elements (no float32 copy
+    of a multi-GB array)."""
+    rng = cp.random.default_rng(seed)
+    out = cp.empty(shape, dtype=np.float16)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - start)
+        flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(np.float16)
+    return out
+
+
+@pytest.mark.parametrize("lengths,Hq,Hkv,family", [
+    pytest.param(PREFILL_LENGTHS, 16, 4, "auto", id="bench-1k-32k"),
+    pytest.param(PREFILL_LENGTHS, 16, 4, "wgmma", id="bench-1k-32k-wgmma"),
+    pytest.param((1000, 2049, 3071, 4097, 8191, 12289, 16383, 32769), 16, 4, "auto", id="odd-ends"),
+])
+def test_varlen_prefill_at_bench_size(request, monkeypatch, lengths, Hq, Hkv, family):
+    import cupy as cp
+
+    from decode_cases import causal_rows
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    monkeypatch.setenv("OMNICUPY_MMA", family)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, group = int(cu[-1]), Hq // Hkv
+    q, k, v = (_device_randn(cp, (total, h, 128), seed + i) for i, h in enumerate((Hq, Hkv, Hkv)))
+    out = poisoned(q.shape, q.dtype)
+    for call in ("first", "steady"):  # the general path, then recall's
+        out.fill(np.nan)
+        got = omnicupy.varlen_attention(q, k, v, cu, cu, causal=True, out=out)
+        cp.cuda.runtime.deviceSynchronize()
+        assert bool(cp.isfinite(got).all()), f"{label}/{call} (seed {seed}): NaN rows left unwritten"
+        for s in (0, 3, len(lengths) - 1):
+            a, b = int(cu[s]), int(cu[s + 1])
+            first = max(a, b - 128)
+            for h in (0, Hq - 1):
+                want = causal_rows(q[first:b, h], k[a:b, h // group], v[a:b, h // group], first - a)
+                err = reference.relative_error(got[first:b, h].get().astype(np.float64), want)
+                assert err <= 3e-3, f"{label}/{call} sequence {s} head {h} (seed {seed}): {err:.2e}"
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,N", [
+    pytest.param(8, 16, 4, 32768, id="padded-1GiB"),
+    pytest.param(8, 32, 8, 32768, id="padded-2GiB"),  # q and out of exactly 2**31 bytes
+])
+def test_padded_prefill_past_2gib(request, B, Hq, Hkv, N):
+    import cupy as cp
+
+    from decode_cases import causal_rows
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    q = _device_randn(cp, (B, Hq, N, 128), seed)
+    k = _device_randn(cp, (B, Hkv, N, 128), seed + 1)
+    v = _device_randn(cp, (B, Hkv, N, 128), seed + 2)
+    out = poisoned(q.shape, q.dtype)
+    got = omnicupy.attention(q, k, v, causal=True, out=out)
+    cp.cuda.runtime.deviceSynchronize()
+    assert bool(cp.isfinite(got).all()), f"{label} (seed {seed}): NaN rows left unwritten"
+    for b, h in ((0, 0), (B - 1, Hq - 1)):
+        for first in (0, N - 64):
+            hk = h // (Hq // Hkv)
+            want = causal_rows(q[b, h, first:first + 64], k[b, hk, :first + 64], v[b, hk, :first + 64], first)
+            err = reference.relative_error(got[b, h, first:first + 64].get().astype(np.float64), want)
+            assert err <= 3e-3, f"{label} batch {b} head {h} rows {first}.. (seed {seed}): {err:.2e}"

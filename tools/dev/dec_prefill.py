@@ -54,12 +54,15 @@ def log(text: str) -> None:
     print(text, flush=True)
 
 
-def randn(cp, shape, seed):
-    """fp16 unit normals generated on the device in slices (no float32 copy of the whole array)."""
+def randn(cp, shape, seed, chunk=1 << 24):
+    """fp16 unit normals generated on the device in chunks of ``chunk`` elements (no float32 copy
+    of a multi-GB array)."""
     rng = cp.random.default_rng(seed)
     out = cp.empty(shape, dtype=np.float16)
-    for i in range(shape[0]):
-        out[i] = rng.standard_normal(shape[1:], dtype=cp.float32).astype(np.float16)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - start)
+        flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(np.float16)
     return out
 
 
