@@ -23,6 +23,7 @@
 // kBc, kWarps, kStages, kThreads, kHasRule, kHasPartial, kHasScoreMod, Mma, score_mod) and the
 // parameter struct (DecodeParams, omnicupy/dispatch/params.py).
 #pragma once
+#include "decode_combine.cuh"
 #include "decode_tile.cuh"
 
 namespace omni {
@@ -215,6 +216,41 @@ __device__ __forceinline__ void group_sync(int group) {
     __syncwarp();
   } else {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(kRowWarps * 32) : "memory");
+  }
+}
+
+// Fused combine (p.split_counters non-null): the CTAs of one (m tile, kv head, batch) count
+// themselves out on split_counters[unit] once their partial rows are written; the last one merges
+// every split's rows into the output (merge_row, through L2) and resets the counter to 0 for the
+// next launch, so that no combine kernel is launched. Each thread fences its own partial writes
+// before the CTA's barrier and the count (the pattern of CUDA's threadFenceReduction sample);
+// the last CTA fences again before it reads. `flag`: one int of shared memory no longer in use.
+template <class Cfg, class Params>
+__device__ __forceinline__ void fused_combine(const Params& p, const Cta& c, int* flag) {
+  constexpr int kBm = Cfg::kBm, kWarps = Cfg::kWarps, D = Cfg::kHeadDim;
+  __threadfence();
+  __syncthreads();  // every thread's partial rows are written and fenced (and the merge buffers read)
+  const int m_tile = blockIdx.x % p.m_tiles;
+  const i64 unit = (static_cast<i64>(c.b) * p.kv_heads + c.hk) * p.m_tiles + m_tile;
+  if (threadIdx.x == 0) {
+    const int done_before = atomicAdd(p.split_counters + unit, 1);
+    const bool last = done_before == p.num_splits - 1;
+    if (last) p.split_counters[unit] = 0;  // nobody else counts on this unit in this launch any more
+    *flag = last;
+  }
+  __syncthreads();
+  if (*flag == 0) return;
+  __threadfence();  // the other splits' rows, which their fences made visible before their counts
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, Q = p.q_per_tile;
+  const i64 rows_total = static_cast<i64>(p.batch) * p.num_heads * p.q_len;
+  for (int r = warp; r < kBm; r += kWarps) {
+    const int qh = r / Q, qi = r % Q;
+    if (qh >= c.heads || qi >= c.queries) continue;
+    const int h = c.h_first + qh, i = c.q_first + qi;
+    const i64 row = (static_cast<i64>(c.b) * p.num_heads + h) * p.q_len + i;
+    u16* dst = p.o + c.b * p.o_sb + static_cast<i64>(h) * p.o_sh + static_cast<i64>(i) * p.o_sn;
+    merge_row<D, typename Cfg::Mma, true>(p.part_o, p.part_ml, rows_total, p.num_splits, row, dst,
+                                          p.lse == nullptr ? nullptr : p.lse + row, lane);
   }
 }
 
@@ -456,6 +492,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
       if (d == 0) *reinterpret_cast<float2*>(p.part_ml + part * 2) = make_float2(m_log2, sum);
     }
   }
+  if (p.num_splits > 1 && p.split_counters != nullptr) fused_combine<Cfg>(p, c, reinterpret_cast<int*>(smem_raw));
 }
 
 }  // namespace decode
