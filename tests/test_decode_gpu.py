@@ -346,3 +346,53 @@ def test_padded_prefill_past_2gib(request, B, Hq, Hkv, N):
             want = causal_rows(q[b, h, first:first + 64], k[b, hk, :first + 64], v[b, hk, :first + 64], first)
             err = reference.relative_error(got[b, h, first:first + 64].get().astype(np.float64), want)
             assert err <= 3e-3, f"{label} batch {b} head {h} rows {first}.. (seed {seed}): {err:.2e}"
+
+
+# ------------------------------------------------------------------------------- fused combine
+# (B, Hq, Hkv, Nq, Nkv, D, dtype, kv_lens, causal, num_splits)
+FUSED = [
+    pytest.param(4, 8, 2, 1, 777, 128, "fp16", [0, 1, 500, 777], True, 5, id="ragged-with-empty"),
+    pytest.param(2, 8, 1, 1, 4096, 128, "bf16", [4096, 4000], False, 64, id="64-splits-gqa8"),
+    pytest.param(2, 8, 2, 16, 1500, 128, "fp16", [1000, 1500], True, 3, id="rows64-two-row-warps"),
+    pytest.param(2, 4, 1, 33, 600, 64, "fp16", [600, 40], True, 4, id="three-m-tiles"),
+    pytest.param(2, 4, 2, 1, 700, 256, "fp16", [700, 1], True, 7, id="d256"),
+    pytest.param(2, 32, 8, 1, 8192, 128, "fp16", None, True, None, id="heuristic-splits"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,lens,causal,splits", FUSED)
+def test_fused_combine(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits):
+    """The last CTA of each unit merges the splits (no combine launch): the same answer, and the
+    counters are back to zero after every call (three calls in a row, the last one replayed from a
+    CUDA graph)."""
+    import cupy as cp
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    monkeypatch.setattr(decode, "FUSED_COMBINE", True)
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, B, Hq, Nq, D, dtype, Hkv=Hkv, Nkv=Nkv)
+    kv_lens = None if lens is None else np.array(lens, np.int32)
+    qd, kd, vd = device(q, k, v)
+    lens_d = None if kv_lens is None else cp.asarray(kv_lens)
+    mode = "bottom_right" if causal and lens is None else causal
+    want, want_lse = reference.decode_attention(q, k, v, kv_lens, causal="bottom_right" if causal else False,
+                                                return_lse=True)
+    for call in range(3):
+        out = poisoned(q.shape, q.dtype)
+        got, lse = decode.decode_attention(qd, kd, vd, kv_lens=lens_d, num_splits=splits, causal=mode,
+                                           return_lse=True, out=out)
+        compare(got, lse, want, want_lse, dtype, f"{label}/call{call}", seed)
+    plan = decode.decode_plan(decode.check_qkv(qd, kd, vd), None, lens_d, splits, causal=mode)
+    assert plan.fused == (plan.num_splits > 1) and plan.combine is None, f"{label}: {plan}"
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = poisoned(q.shape, q.dtype)
+        stream.begin_capture()
+        decode.decode_attention(qd, kd, vd, kv_lens=lens_d, num_splits=splits, causal=mode, out=out)
+        graph = stream.end_capture()
+        for _ in range(2):
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            compare(out, None, want, want_lse, dtype, f"{label}/graph", seed)

@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             run.run(f"varlen_recall {tag}", lambda: (call_varlen(), check_varlen(call_varlen()))[1])
         if "varlen_graph" in steps:
             run.run(f"varlen_graph {tag}", lambda: graph_check(cp, call_varlen, check_varlen))
-    del q, k, v
+    q = k = v = None  # free the packed inputs before the padded batch
     cp.get_default_memory_pool().free_all_blocks()
 
     # ------------------------------------------------------------------ the padded batch
