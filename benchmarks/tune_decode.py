@@ -1,7 +1,7 @@
 """Decode tuning (issue 16): split-KV kernel candidates side by side, in one process.
 
     PYTHONPATH=. python benchmarks/tune_decode.py [--cells 1:8192,...] [--candidates base,fused,...]
-                                                  [--paged 16,64] [--reps 5] [--json out.json]
+                                                  [--nq 1|16] [--paged 16,64] [--reps 5] [--json out.json]
 
 Cases: fp16, D 128, Hq 32, Hkv 8, one query per sequence (bottom-right causal), batch x cache length
 in {1, 8, 32} x {8k, 32k, 128k} on a contiguous cache, and the same cells on paged caches (page
@@ -24,6 +24,11 @@ heuristic, which counts CTAs per SM from the tile's shared memory, unless a cand
   splits_x2     base with twice the heuristic's splits (more waves)
   splits_half   base with half of them (fewer partials)
 Paged candidates (--paged): base and w2s3_fused on page sizes 16 and 64 (name/ps16, name/ps64).
+With --nq 16 (GQA 4 x 16 positions: 64-row m tiles of 4 row warps per kv group; shipped 8 warps,
+3 stages = 2 kv groups, 218 KB):
+  w4s3          one kv group, 3 stages (70 KB: 3 CTAs/SM)
+  w4s4          one kv group, 4 stages (87 KB: 2 CTAs/SM)
+  w8s2          two kv groups, 2 stages (87 KB: 2 CTAs/SM)
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ TOL = 3e-3
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    tile: Optional[tuple[int, int]] = None  # (warps, stages) of the (128, 16) m tile; None: shipped
+    tile: Optional[tuple[int, int]] = None  # (warps, stages) of the cell's m tile; None: shipped
     fused: bool = False
     split_scale: float = 1.0
 
@@ -61,17 +66,25 @@ CANDIDATES = {c.name: c for c in (
     Candidate("w2s3_fused", tile=(2, 3), fused=True),
     Candidate("splits_x2", split_scale=2.0),
     Candidate("splits_half", split_scale=0.5),
+    # --nq 16 (64-row m tiles: 4 row warps per kv group)
+    Candidate("w4s3", tile=(4, 3)),
+    Candidate("w4s4", tile=(4, 4)),
+    Candidate("w8s2", tile=(8, 2)),
 )}
+#: The default candidates per Nq (the 64-row ones make no 16-row tile and the reverse).
+DEFAULT_CANDIDATES = {1: ("base", "fused", "w4s2", "w2s3", "w3s2", "w1s4", "w2s3_fused", "splits_x2", "splits_half"),
+                      16: ("base", "fused", "w4s3", "w4s4", "w8s2", "splits_x2")}
 PAGED_CANDIDATES = ("base", "w2s3_fused")
 
 
 class Setup:
     """Applies a candidate to the decode module (tile table, fused flag) and restores it."""
 
-    def __init__(self) -> None:
+    def __init__(self, br: int = 16) -> None:
         from omnicupy.ops import decode
 
         self.decode = decode
+        self.br = br
         self.shipped = dict(decode.DECODE_TILES)
         self.fused = decode.FUSED_COMBINE
 
@@ -80,7 +93,7 @@ class Setup:
         d.DECODE_TILES.clear()
         d.DECODE_TILES.update(self.shipped)
         if cand.tile is not None:
-            d.DECODE_TILES[(D, 16)] = cand.tile
+            d.DECODE_TILES[(D, self.br)] = cand.tile
         d.FUSED_COMBINE = cand.fused
 
     def restore(self) -> None:
@@ -158,7 +171,8 @@ def call_fn(setup: Setup, cand: Candidate, cache: bd.Cache, page_size: Optional[
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default="", help="B:N list (default: {1, 8, 32} x {8k, 32k, 128k})")
-    ap.add_argument("--candidates", default=",".join(CANDIDATES))
+    ap.add_argument("--candidates", default="", help="default: DEFAULT_CANDIDATES for --nq")
+    ap.add_argument("--nq", type=int, default=1, help="queries per sequence (16: 64-row m tiles)")
     ap.add_argument("--paged", default="16,64", help="page sizes for the paged candidates ('' for none)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
@@ -167,17 +181,19 @@ def main(argv=None) -> int:
     print(f"device {gpu.name}, L2 {gpu.l2 >> 20} MB", flush=True)
     cells = ([tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
              or [(B, N) for B in bd.BATCHES for N in bd.LENGTHS])
-    names = [n for n in args.candidates.split(",") if n]
+    names = [n for n in args.candidates.split(",") if n] or list(DEFAULT_CANDIDATES.get(args.nq, ("base",)))
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         ap.error(f"unknown candidates {unknown}; have {list(CANDIDATES)}")
     page_sizes = [int(p) for p in args.paged.split(",") if p]
-    setup = Setup()
+    from omnicupy.ops import decode
+
+    setup = Setup(decode.pack_rows(HQ // HKV, args.nq).br)
     results: dict[tuple[int, int], dict[str, Any]] = {}
     columns: list[str] = []
     try:
         for B, N in cells:
-            cache = bd.make_cache(gpu, B, N, 1, "fp16", seed=B * 1000 + N)
+            cache = bd.make_cache(gpu, B, N, args.nq, "fp16", seed=B * 1000 + N)
             nbytes = bd.kv_bytes(cache.lens)
             row = results.setdefault((B, N), {})
             runs = [(CANDIDATES[n], None) for n in names]
@@ -220,14 +236,14 @@ def main(argv=None) -> int:
                               f, indent=1, default=float)
     finally:
         setup.restore()
-    print(table(results, columns))
+    print(table(results, columns, args.nq))
     return 0
 
 
-def table(results: dict, columns: list[str]) -> str:
+def table(results: dict, columns: list[str], nq: int = 1) -> str:
     """One row per cell, K+V TB/s per candidate; * marks the best contiguous and the best paged."""
     head = "cell        " + "".join(f"{c:>14s}" for c in columns)
-    lines = ["", "decode tuning, fp16 D128 Hq32 Hkv8 Nq1, K+V TB/s (* best of its kind)", head]
+    lines = ["", f"decode tuning, fp16 D128 Hq32 Hkv8 Nq{nq}, K+V TB/s (* best of its kind)", head]
     for (B, N), row in results.items():
         best = {}
         for kind in ("contiguous", "paged16", "paged64"):

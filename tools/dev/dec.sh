@@ -11,7 +11,8 @@
 #                  (names the kernel and address of any out-of-bounds access)
 #   4 tests        tests/test_decode_gpu.py: every decode/paged/varlen case against float64, the
 #                  new prefill-at-bench-size regression tests and the fused-combine tests
-#   5 tune         benchmarks/tune_decode.py: decode candidates side by side (table last)
+#   5 tune         benchmarks/tune_decode.py: decode candidates side by side (table last), Nq 1
+#                  on the 9 cells (contiguous, paged 16/64), then Nq 16 on B 8/32 x 32k
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. OMNICUPY_CACHE_DIR=/tmp/oc_dec
@@ -44,10 +45,11 @@ else
 fi
 step tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_gpu.py
 step tune 120 "$PY" benchmarks/tune_decode.py --json "$OUT/tune_decode.json"
+step tune16 45 "$PY" benchmarks/tune_decode.py --nq 16 --cells 8:32768,32:32768 --paged '' --json "$OUT/tune_decode_nq16.json"
 
 echo
-echo "---- tune table"
-sed -n '/^decode tuning/,$p' "$OUT/tune.log"
+echo "---- tune tables"
+sed -n '/^decode tuning/,$p' "$OUT/tune.log" "$OUT/tune16.log"
 echo "---- repro steps"
 grep -E '^STEP|^  [a-z_]+ \[' "$OUT/repro.log" | grep -v '\.\.\.$' | tail -n 30
 echo "---- summary (logs in $OUT)"

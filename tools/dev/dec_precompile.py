@@ -27,8 +27,9 @@ def main() -> int:
 
     arch = jit.device_arch()
     variants = list(decode.shipped_variants(arch))
-    for warps, stages in ((4, 2), (2, 3), (3, 2), (1, 4)):  # tune_decode.py's tile candidates
-        variants.append(Variant(128, "fp16", 16, decode.DECODE_BC, warps, stages, True, False, operation="decode"))
+    for br, warps, stages in ((16, 4, 2), (16, 2, 3), (16, 3, 2), (16, 1, 4), (64, 4, 3), (64, 4, 4), (64, 8, 2)):
+        # tune_decode.py's tile candidates
+        variants.append(Variant(128, "fp16", br, decode.DECODE_BC, warps, stages, True, False, operation="decode"))
     variants += [v for v in tiles.shipped_variants(head_dims=(64, 128)) if v.runs_on(arch)]
     jobs = min(16, os.cpu_count() or 4)
     with ProcessPoolExecutor(jobs) as pool:
