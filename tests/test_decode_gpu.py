@@ -396,3 +396,47 @@ def test_fused_combine(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, lens
             graph.launch(stream)
             stream.synchronize()
             compare(out, None, want, want_lse, dtype, f"{label}/graph", seed)
+
+
+# ------------------------------------------------------------------------------- steady state
+STEADY = [
+    pytest.param("decode_attention", id="decode-attention"),
+    pytest.param("attention-kv-lens", id="attention-kv-lens"),
+    pytest.param("attention-auto", id="attention-few-rows"),
+    pytest.param("paged", id="paged-validated"),
+    pytest.param("paged-unchecked", id="paged-validate-false"),
+]
+
+
+@pytest.mark.parametrize("entry", STEADY)
+@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
+def test_steady_state_decode_calls(request, monkeypatch, entry, fused):
+    """The second and later calls of a signature launch from a recipe (decode.DecodeRecipe) on new
+    arrays (new pointers, new kv_lens values): each one against float64."""
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    monkeypatch.setattr(decode, "FUSED_COMBINE", fused)
+    decode._recipes.clear()
+    B, Hq, Hkv, Nq, N, D = 3, 8, 2, 2, 700, 128
+    for call in range(3):
+        rng = np.random.default_rng(seed + call)
+        q, k, v = random_qkv(rng, B, Hq, Nq, D, "fp16", Hkv=Hkv, Nkv=N)
+        lens = rng.integers(0, N + 1, size=B).astype(np.int32)
+        lens[0] = N
+        qd, kd, vd, lens_d = device(q, k, v, lens)
+        if entry.startswith("paged"):
+            pages = sum(-(-int(n) // 16) for n in lens)  # one pool size for every call: one signature
+            kp, vp, table = paged_from_contiguous(rng, k, v, 16, "NHD", lens, spare_pages=B * -(-N // 16) + 3 - pages)
+            got, lse = omnicupy.paged_attention(*device(q, kp, vp, table), lens_d, return_lse=True, num_splits=4,
+                                                validate=entry == "paged")
+            want, want_lse = reference.paged_attention(q, kp, vp, table, lens, return_lse=True)
+        elif entry == "attention-auto":  # no kv_lens: the whole cache, bottom-right
+            got, lse = omnicupy.attention(qd, kd, vd, causal="bottom_right", return_lse=True)
+            want, want_lse = reference.decode_attention(q, k, v, None, causal="bottom_right", return_lse=True)
+        else:
+            fn = decode.decode_attention if entry == "decode_attention" else omnicupy.attention
+            got, lse = fn(qd, kd, vd, kv_lens=lens_d, causal=True, num_splits=3, return_lse=True)
+            want, want_lse = reference.decode_attention(q, k, v, lens, causal="bottom_right", return_lse=True)
+        compare(got, lse, want, want_lse, "fp16", f"{label}/call{call}", seed + call)
+        assert len(decode._recipes) == 1, f"{label}/call{call}: {len(decode._recipes)} recipes (one signature)"
+    assert decode.take_device_errors() == 0

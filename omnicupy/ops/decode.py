@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -416,8 +417,15 @@ def decode_attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = N
                      return_lse: bool = False, out: Any = None, score_mod: Any = None):
     """``attention()`` through the split-KV decode kernel, always (the path attention() takes for
     kv_lens / num_splits / few query rows; see decode_plan for the arguments). q ``[B, Hq, Nq, D]``,
-    k/v ``[B, Hkv, Nkv, D]``; returns out or (out, lse) like attention()."""
+    k/v ``[B, Hkv, Nkv, D]``; returns out or (out, lse) like attention(). A repeated call with the
+    same signature on CuPy arrays takes the steady-state path (``steady_call``)."""
+    key = call_key("decode", (q, k, v), (kv_lens, out),
+                   (id(block_mask), num_splits, causal, scale, return_lse, id(score_mod)))
+    fast = launch_known(key, q, k, v, kv_lens, out, return_lse)
+    if fast is not None:
+        return fast
     host_result = arrays.is_numpy(q)
+    given = (q, k, v, kv_lens)
     inp = check_qkv(q, k, v)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -432,7 +440,9 @@ def decode_attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = N
     o, copy_into = device_out(out, inp)
     cp = arrays.cupy_module()
     lse = cp.empty((inp.batch, inp.heads, inp.q_len), dtype=np.float32) if return_lse else None
-    run_decode(plan, inp, o, lse, scale, kv_lens=lens, block_mask=block_mask, score_expr=score_expr)
+    recipe = run_decode(plan, inp, o, lse, scale, kv_lens=lens, block_mask=block_mask, score_expr=score_expr)
+    if copy_into is None and not host_result:
+        remember_call(key, recipe, given, inp, block_mask, score_mod)
     if copy_into is not None:
         copy_into[...] = o.get() if arrays.is_numpy(copy_into) else o
         o = copy_into
@@ -443,12 +453,14 @@ def decode_attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = N
 
 
 def run_decode(plan: DecodePlan, inp: Inputs, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
-               block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> None:
+               block_mask: Optional[BlockMask] = None,
+               score_expr: Optional[expressions.CudaExpr] = None) -> "DecodeRecipe":
     """Launch ``plan`` on device inputs (``ops.inputs.on_device``) into the device output ``o``
-    ([B, Hq, Nq, D], 16-byte aligned rows) and ``lse`` (contiguous float32 [B, Hq, Nq] or None)."""
+    ([B, Hq, Nq, D], 16-byte aligned rows) and ``lse`` (contiguous float32 [B, Hq, Nq] or None);
+    returns the launch's recipe (``remember_call``)."""
     cache = KVSource.contiguous(inp.k, inp.v)
-    launch(plan, inp.q, cache, o, lse, scale, kv_lens=device_lengths(kv_lens), block_mask=block_mask,
-           score_expr=score_expr)
+    return launch(plan, inp.q, cache, o, lse, scale, kv_lens=device_lengths(kv_lens), block_mask=block_mask,
+                  score_expr=score_expr)
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -539,26 +551,90 @@ def _mask_fields(bm: Optional[BlockMask]) -> dict[str, Any]:
             "kv_block_size": bm.kv_block_size}
 
 
+#: DecodeParams / CombineParams fields that change from call to call; everything else is fixed by
+#: the call's signature (shapes, strides, dtypes, options, mask, score modifier, device, stream).
+SPLIT_POINTERS = ("q", "k", "v", "o", "lse", "part_o", "part_ml", "kv_lens", "page_table")
+COMBINE_POINTERS = ("part_o", "part_ml", "o", "lse")
+_POINTER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class DecodeRecipe:
+    """A decode launch with everything but the data pointers decided (the decode side of
+    ops/recall.py's steady state): the kernels, their parameter structs packed once with the
+    pointer slots zeroed, and what the struct points at kept alive. ``run`` allocates the fp32
+    partials, writes the pointers, and launches the split kernel and (unless fused) the combine."""
+
+    plan: DecodePlan
+    split_kernel: Any
+    split_template: bytes
+    split_slots: tuple[int, ...]
+    combine_kernel: Any
+    combine_template: Optional[bytes]
+    combine_slots: tuple[int, ...]
+    part_shape: tuple[int, int, int]  # (splits, B * Hq * Nq, D)
+    lse_in_split: bool  # the split kernel writes the LSE (one split, or fused)
+    keep: tuple
+
+    @classmethod
+    def make(cls, plan: DecodePlan, fields: dict, cfields: Optional[dict], keep: tuple = ()) -> "DecodeRecipe":
+        split_kernel = jit.get_kernel(plan.split.variant)
+        fixed = dict(fields, **{name: None for name in SPLIT_POINTERS})
+        held = tuple(v for name, v in fields.items() if name not in SPLIT_POINTERS and hasattr(v, "data"))
+        held += tuple(fields.get("user_arrays") or ())
+        combine_kernel = combine_template = None
+        combine_slots: tuple[int, ...] = ()
+        if cfields is not None:
+            combine_kernel = jit.get_kernel(plan.combine.variant)
+            combine_template = bytes(COMBINE.pack(dict(cfields, **{n: None for n in COMBINE_POINTERS})))
+            combine_slots = tuple(COMBINE.offset(n) for n in COMBINE_POINTERS)
+        rows = fields["batch"] * fields["num_heads"] * fields["q_len"]
+        head_dim = plan.split.variant.head_dim
+        return cls(plan, split_kernel, bytes(DECODE.pack(fixed)), tuple(DECODE.offset(n) for n in SPLIT_POINTERS),
+                   combine_kernel, combine_template, combine_slots, (plan.num_splits, rows, head_dim),
+                   plan.num_splits == 1 or plan.fused, held + keep)
+
+    def run(self, q: int, k: int, v: int, o: int, lse: int, kv_lens: int = 0, page_table: int = 0) -> None:
+        """Launch on the current stream with these device pointers (0: none)."""
+        cp = arrays.cupy_module()
+        part_o = part_ml = None
+        if self.plan.num_splits > 1:
+            part_o = cp.empty(self.part_shape, dtype=np.float32)
+            part_ml = cp.empty(self.part_shape[:2] + (2,), dtype=np.float32)
+        po, pm = (0 if a is None else a.data.ptr for a in (part_o, part_ml))
+        buf = bytearray(self.split_template)
+        for offset, ptr in zip(self.split_slots, (q, k, v, o, lse if self.lse_in_split else 0, po, pm, kv_lens,
+                                                  page_table)):
+            _POINTER.pack_into(buf, offset, ptr)
+        split = self.plan.split
+        self.split_kernel(split.grid, split.block, (np.frombuffer(buf, dtype=DECODE.record_dtype)[0],),
+                          shared_mem=split.smem_bytes)
+        if self.combine_kernel is not None:
+            cbuf = bytearray(self.combine_template)
+            for offset, ptr in zip(self.combine_slots, (po, pm, o, lse)):
+                _POINTER.pack_into(cbuf, offset, ptr)
+            combine = self.plan.combine
+            self.combine_kernel(combine.grid, combine.block, (np.frombuffer(cbuf, dtype=COMBINE.record_dtype)[0],),
+                                shared_mem=0)
+        # part_o / part_ml go back to CuPy's pool here; stream order keeps them valid for both
+        # kernels (and a captured graph keeps its own addresses: see bench_decode.time_cupy).
+
+
 def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
-           block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> None:
-    """Fill DecodeParams by name and launch the split kernel (and the combine) on the current stream."""
-    cp = arrays.cupy_module()
+           block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None) -> DecodeRecipe:
+    """Fill DecodeParams by name and launch the split kernel (and the combine) on the current
+    stream; returns the launch as a recipe (``remember`` keeps it for the call's signature)."""
     B, Hq, Nq, D = (int(n) for n in q.shape)
     item = q.itemsize
     qs = [s // item for s in q.strides[:3]]
     os_ = [s // o.itemsize for s in o.strides[:3]]
     kv_heads = cache.kv_heads
     splits = plan.num_splits
-    part_o = part_ml = None
-    if splits > 1:
-        part_o = cp.empty((splits, B * Hq * Nq, D), dtype=np.float32)
-        part_ml = cp.empty((splits, B * Hq * Nq, 2), dtype=np.float32)
     rule = plan.rule or Rule()
     transforms = score_expr is not None
     r = plan.rows
     fields = {
-        "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 or plan.fused else None,
-        "part_o": part_o, "part_ml": part_ml,
+        "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse, "part_o": None, "part_ml": None,
         "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
         "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
@@ -583,15 +659,141 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         **_mask_fields(block_mask if plan.rule is None else None),
         "user_arrays": list(score_expr.device_arrays()) if score_expr is not None else [],
     }
-    kernel = jit.get_kernel(plan.split.variant)
-    kernel(plan.split.grid, plan.split.block, (DECODE.pack(fields),), shared_mem=plan.split.smem_bytes)
+    cfields = None
     if plan.combine is not None:
-        cfields = {"part_o": part_o, "part_ml": part_ml, "o": o, "lse": lse,
+        cfields = {"part_o": None, "part_ml": None, "o": o, "lse": lse,
                    "o_sb": os_[0], "o_sh": os_[1], "o_sn": os_[2], "rows": B * Hq * Nq, "num_heads": Hq,
                    "q_len": Nq, "num_splits": splits}
-        combine = jit.get_kernel(plan.combine.variant)
-        combine(plan.combine.grid, plan.combine.block, (COMBINE.pack(cfields),), shared_mem=0)
+    recipe = DecodeRecipe.make(plan, fields, cfields, keep=(block_mask,))
+    ptr = _pointer
+    recipe.run(ptr(q), ptr(cache.k), ptr(cache.v), ptr(o), ptr(lse), ptr(kv_lens), ptr(cache.page_table))
+    return recipe
 
 
-__all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention", "plan_split_kv", "launch",
+def _pointer(x: Any) -> int:
+    return 0 if x is None else int(x.data.ptr)
+
+
+# ------------------------------------------------------------------------------ steady state
+#: Recipes kept per process (a serving loop has a handful of signatures; the cache is cleared
+#: when it fills).
+MAX_RECIPES = 256
+_recipes: dict[tuple, DecodeRecipe] = {}
+
+
+def _view(x: Any, cp) -> Optional[tuple]:
+    """(shape, strides, dtype) of a CuPy array (the signature part of it), else None."""
+    return (x.shape, x.strides, x.dtype) if type(x) is cp.ndarray else None
+
+
+def call_key(kind: str, arrays_: tuple, optional: tuple, scalars: tuple) -> Optional[tuple]:
+    """The signature of a decode call, or None when it cannot take the steady-state path: every
+    array in ``arrays_`` must be a CuPy array, every one in ``optional`` None or a CuPy array
+    (device kv_lens: their values never change the plan); ``scalars`` enter with their types."""
+    if not arrays.gpu_available():
+        return None
+    cp = arrays.cupy_module()
+    views = [_view(x, cp) for x in arrays_]
+    if None in views:
+        return None
+    opt = []
+    for x in optional:
+        if x is None:
+            opt.append(None)
+            continue
+        vw = _view(x, cp)
+        if vw is None:
+            return None
+        opt.append(vw)
+    device = arrays_[0].data.device_id
+    if any(x.data.device_id != device for x in arrays_) or any(
+            x is not None and x.data.device_id != device for x in optional):
+        return None
+    return (kind, *views, *opt, *scalars, *map(type, scalars), device, cp.cuda.runtime.getDevice(),
+            cp.cuda.get_current_stream().ptr, FUSED_COMBINE, _tiles_key())
+
+
+def recipe_for(key: Optional[tuple]) -> Optional[DecodeRecipe]:
+    if key is None:
+        return None
+    try:
+        return _recipes.get(key)
+    except TypeError:  # an unhashable scalar: the general path says what is wrong
+        return None
+
+
+def remember(key: Optional[tuple], recipe: DecodeRecipe, *alive: Any) -> None:
+    """Keep ``recipe`` for ``key``; ``alive``: objects the key names by identity (mask, score_mod)."""
+    if key is None:
+        return
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(_recipes) >= MAX_RECIPES:
+        _recipes.clear()
+    _recipes[key] = replace(recipe, keep=recipe.keep + alive)
+
+
+def aligned_pointers(*xs: Any) -> bool:
+    """Every array's base 16-byte aligned (the general path copies the others)."""
+    return all(x is None or x.data.ptr % 16 == 0 for x in xs)
+
+
+def launch_known(key: Optional[tuple], q: Any, k: Any, v: Any, kv_lens: Any, out: Any, return_lse: bool,
+                 page_table: Any = None):
+    """The steady-state call: launch the recipe of ``key`` on these arrays' pointers (a fresh out
+    unless ``out`` is given); None when there is no recipe or a pointer is misaligned (then the
+    general path runs, and copies what it must)."""
+    recipe = recipe_for(key)
+    if recipe is None or not aligned_pointers(q, k, v, out):
+        return None
+    cp = arrays.cupy_module()
+    o = out if out is not None else cp.empty(q.shape, dtype=q.dtype)
+    lse = cp.empty(q.shape[:3], dtype=np.float32) if return_lse else None
+    recipe.run(q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, _pointer(lse), _pointer(kv_lens), _pointer(page_table))
+    return (o, lse) if return_lse else o
+
+
+def remember_call(key: Optional[tuple], recipe: DecodeRecipe, given: tuple, inp: Inputs, *alive: Any) -> None:
+    """Remember ``recipe`` for a call whose device arrays the general path used as given: q, k, v
+    and kv_lens (``given``) at the pointers the launch read (``inp``: after on_device; kv_lens as
+    device_lengths left it). A call that needed a copy never gets a recipe: its copies would not be
+    made on the steady-state path."""
+    if key is None:
+        return
+    q, k, v, kv_lens = given
+    used = (inp.q, inp.k, inp.v)
+    if any(a.data.ptr != b.data.ptr for a, b in zip((q, k, v), used)):
+        return
+    if kv_lens is not None and not (kv_lens.dtype == np.int32 and kv_lens.flags.c_contiguous):
+        return  # device_lengths made a contiguous int32 copy
+    remember(key, recipe, *alive)
+
+
+def attention_steady(q: Any, k: Any, v: Any, block_mask: Any, *, causal: Any, scale: Any, return_lse: Any, out: Any,
+                     kv_lens: Any, num_splits: Any, score_mod: Any, bias: Any, stages: Any,
+                     fuse_mask: Any) -> tuple[Optional[tuple], Any]:
+    """attention()'s steady-state decode call: (key, result). ``result`` is None when the general
+    path must run (then it remembers its recipe under ``key``, which is None for calls that never
+    take this path: a bias, host arrays, or too many query rows for the decode kernel)."""
+    if bias is not None or not _few_rows(q, k, kv_lens, num_splits):
+        return None, None
+    key = call_key("attention", (q, k, v), (kv_lens, out),
+                   (id(block_mask), num_splits, causal, scale, return_lse, id(score_mod), stages, fuse_mask))
+    return key, launch_known(key, q, k, v, kv_lens, out, return_lse)
+
+
+def _few_rows(q: Any, k: Any, kv_lens: Any, num_splits: Any) -> bool:
+    """Whether attention() could take the decode kernel: asked for, or few query rows per kv head."""
+    if kv_lens is not None or num_splits is not None:
+        return True
+    try:
+        return int(q.shape[2]) * (int(q.shape[1]) // max(int(k.shape[1]), 1)) <= DECODE_MAX_ROWS
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return False
+
+
+__all__ = ["DecodePlan", "DecodeRecipe", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention",
+           "plan_split_kv", "launch", "launch_known", "remember_call", "attention_steady", "call_key",
            "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS", "MAX_SPLITS", "DECODE_TILES"]

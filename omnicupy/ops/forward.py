@@ -225,6 +225,11 @@ def attention(
     ``return_lse``, ``(out, lse)`` where lse is float32 ``[B, Hq, Nq]`` (natural log, -inf for rows
     with no allowed key, whose output is 0).
     """
+    decode_key, result = decode.attention_steady(q, k, v, block_mask, causal=causal, scale=scale, return_lse=return_lse,
+                                                 out=out, kv_lens=kv_lens, num_splits=num_splits, score_mod=score_mod,
+                                                 bias=bias, stages=stages, fuse_mask=fuse_mask)
+    if result is not None:
+        return result
     key = None
     if kv_lens is None and num_splits is None and arrays.gpu_available():
         cp = arrays.cupy_module()
@@ -263,9 +268,12 @@ def attention(
     split_kv = decode.decode_plan(inp, block_mask if isinstance(block_mask, BlockMask) else None, kv_lens, num_splits,
                                   causal=causal, score_expr=extras.score_expr, bias=extras.bias, arch=current_arch())
     if split_kv is not None:
-        decode.run_decode(split_kv, inp, o, lse, scale, kv_lens=decode.check_lengths(kv_lens, inp.batch, inp.kv_len),
-                          block_mask=block_mask if isinstance(block_mask, BlockMask) else None,
-                          score_expr=extras.score_expr)
+        lens = decode.check_lengths(kv_lens, inp.batch, inp.kv_len)
+        recipe = decode.run_decode(split_kv, inp, o, lse, scale, kv_lens=lens,
+                                   block_mask=block_mask if isinstance(block_mask, BlockMask) else None,
+                                   score_expr=extras.score_expr)
+        if copy_into is None and not host_result:
+            decode.remember_call(decode_key, recipe, (q, k, v, lens), inp, block_mask, score_mod)
     else:
         recipe = _launch(inp, o, lse, bm, scale, make_plan(inp, bm, stages, extras, current_arch()), extras)
         if copy_into is None and not host_result:
