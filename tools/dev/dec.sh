@@ -21,6 +21,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 SUMMARY=()
+T0=$(date +%s)
 
 step() {  # step NAME SECONDS command...
   local name=$1 limit=$2 start rc
@@ -35,22 +36,22 @@ step() {  # step NAME SECONDS command...
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-step precompile 60 "$PY" tools/dev/dec_precompile.py
-step repro 90 env CUDA_LAUNCH_BLOCKING=1 "$PY" tools/dev/dec_prefill.py --preset full --families auto,wgmma
+step precompile 50 "$PY" tools/dev/dec_precompile.py
+step repro 75 env CUDA_LAUNCH_BLOCKING=1 "$PY" tools/dev/dec_prefill.py --preset full --families auto,wgmma
 if [ -n "$SAN" ]; then
-  step memcheck 70 "$SAN" --tool memcheck --print-limit 20 "$PY" tools/dev/dec_prefill.py --preset small \
+  step memcheck 60 "$SAN" --tool memcheck --print-limit 20 "$PY" tools/dev/dec_prefill.py --preset small \
     --steps mask,varlen,varlen_recall,padded,padded_recall
 else
   SUMMARY+=("memcheck   skipped: no compute-sanitizer")
 fi
-step tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_gpu.py
-step tune 120 "$PY" benchmarks/tune_decode.py --json "$OUT/tune_decode.json"
-step tune16 45 "$PY" benchmarks/tune_decode.py --nq 16 --cells 8:32768,32:32768 --paged '' --json "$OUT/tune_decode_nq16.json"
+step tests 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_gpu.py
+step tune 110 "$PY" benchmarks/tune_decode.py --reps 3 --json "$OUT/tune_decode.json"
+step tune16 40 "$PY" benchmarks/tune_decode.py --reps 3 --nq 16 --cells 8:32768,32:32768 --paged '' --json "$OUT/tune_decode_nq16.json"
 
 echo
 echo "---- tune tables"
 sed -n '/^decode tuning/,$p' "$OUT/tune.log" "$OUT/tune16.log"
 echo "---- repro steps"
-grep -E '^STEP|^  [a-z_]+ \[' "$OUT/repro.log" | grep -v '\.\.\.$' | tail -n 30
-echo "---- summary (logs in $OUT)"
+grep -E '^STEP' "$OUT/repro.log" | tail -n 40  # a step with no result line after its "..." faulted
+echo "---- summary (logs in $OUT; $(( $(date +%s) - T0 )) s in all)"
 printf '%s\n' "${SUMMARY[@]}"
