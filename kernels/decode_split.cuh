@@ -209,6 +209,37 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
   if (row_warp == 0 && lane == 0) *info = t;
 }
 
+// issue_async for tiles whose 32 rows are consecutive slots of one page (p.affine_rows, with a
+// contiguous cache or page_size a multiple of 32: tiles start at multiples of 32, so they never
+// straddle a page). Row r sits at the tile's first address + r * s_slot: one shuffle of lane 0's
+// (page, slot) per tile instead of two 64-bit shuffles per copy. When row 0 does not exist (past
+// the sequence, or on a bad page) neither does any other row of the tile, and nothing is read.
+template <class Cfg, int kRowWarps, class Params>
+__device__ __forceinline__ void issue_async_affine(const Params& p, const Cta& c, TileInfo t, int next, u16* sK,
+                                                   u16* sV, TileInfo* info, const u16* k_base, const u16* v_base,
+                                                   int row_warp, int lane, PageHint& hint) {
+  constexpr int kChunks = Cfg::kHeadDim / 8, kLd = Cfg::kHeadDim + 8;
+  static_assert(kChunks % kRowWarps == 0, "the warps of a group share a tile's copies evenly");
+  if (t.start >= 0) {
+    int page, slot;
+    const bool ok = key_address(p, c, t.start, next, lane, hint, page, slot);
+    t.valid = __ballot_sync(0xffffffffu, ok);
+    const int page0 = __shfl_sync(0xffffffffu, page, 0), slot0 = __shfl_sync(0xffffffffu, slot, 0);
+    const u16* k_tile = k_base + page0 * p.k_sb + slot0 * p.k_sn;
+    const u16* v_tile = v_base + page0 * p.v_sb + slot0 * p.v_sn;
+    const u32 k_dst = smem_u32(sK), v_dst = smem_u32(sV);
+#pragma unroll
+    for (int i = 0; i < kChunks / kRowWarps; ++i) {
+      const int chunk = (i * kRowWarps + row_warp) * 32 + lane, row = chunk / kChunks, col = (chunk % kChunks) * 8;
+      const bool live = (t.valid >> row) & 1u;
+      const u32 dst = (row * kLd + col) * 2;
+      cp_async_16(k_dst + dst, live ? k_tile + row * p.k_sn + col : k_base, live);
+      cp_async_16(v_dst + dst, live ? v_tile + row * p.v_sn + col : v_base, live);
+    }
+  }
+  if (row_warp == 0 && lane == 0) *info = t;
+}
+
 // Barrier of the kRowWarps warps of kv group `group` (named barrier 1 + group; 0 is __syncthreads).
 template <int kRowWarps>
 __device__ __forceinline__ void group_sync(int group) {
@@ -313,10 +344,16 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   TileInfo* ring_info = sInfo + group * kStages;
   constexpr int kNext = kKvGroups * kBc;  // from one tile of the group to its next
   PageHint hint{-1, 0};
+  const bool affine = p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % kBc == 0);
   auto issue = [&](TileInfo t, int slot) {
     u16* sK = ring + slot * 2 * kTile;
-    issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
-                                hint);
+    if (affine) {
+      issue_async_affine<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp,
+                                         lane, hint);
+    } else {
+      issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
+                                  hint);
+    }
     cp_async_commit();
   };
 

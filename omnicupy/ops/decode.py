@@ -57,6 +57,10 @@ ERROR_KV_LEN, ERROR_PAGE = 1, 2
 #: per unit) instead of a second, combine launch. Off until measured (benchmarks/tune_decode.py
 #: compares both); plan_split_kv(fused_combine=...) overrides it per plan.
 FUSED_COMBINE = False
+#: Tiles that lie inside one page (contiguous caches, page sizes that are multiples of 32) take one
+#: address per tile and step rows by the slot stride, instead of one address per row shuffled from
+#: its lane (kernels/decode_split.cuh issue_async_affine). Off until measured (tune_decode.py).
+AFFINE_ROWS = False
 
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
 #: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
@@ -636,6 +640,7 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
     fields = {
         "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse, "part_o": None, "part_ml": None,
         "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
+        "affine_rows": int(AFFINE_ROWS),
         "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
         "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
@@ -710,7 +715,7 @@ def call_key(kind: str, arrays_: tuple, optional: tuple, scalars: tuple) -> Opti
             x is not None and x.data.device_id != device for x in optional):
         return None
     return (kind, *views, *opt, *scalars, *map(type, scalars), device, cp.cuda.runtime.getDevice(),
-            cp.cuda.get_current_stream().ptr, FUSED_COMBINE, _tiles_key())
+            cp.cuda.get_current_stream().ptr, FUSED_COMBINE, AFFINE_ROWS, _tiles_key())
 
 
 def recipe_for(key: Optional[tuple]) -> Optional[DecodeRecipe]:
