@@ -36,8 +36,8 @@ from ..dispatch.plan import Plan
 from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant
 from ..errors import ArgumentError, KVCacheError
 from ..mask import BlockMask, cdiv, expressions
-from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
-                     device_out, on_device, require_gpu)
+from .inputs import (Inputs, check_device, check_disjoint, check_mask_matches, check_out, check_qkv, check_scale,
+                     check_score_mod, device_out, on_device, require_gpu)
 
 #: Packed query rows (GQA group x positions) per kv head up to which attention() takes the decode
 #: kernel on its own; above, the forward kernel's q tiles are full enough.
@@ -753,6 +753,8 @@ def launch_known(key: Optional[tuple], q: Any, k: Any, v: Any, kv_lens: Any, out
     recipe = recipe_for(key)
     if recipe is None or not aligned_pointers(q, k, v, out):
         return None
+    if out is not None:  # the one check that depends on pointers, not on the signature
+        check_disjoint({"out": out}, {"q": q, "k": k, "v": v})
     cp = arrays.cupy_module()
     o = out if out is not None else cp.empty(q.shape, dtype=q.dtype)
     lse = cp.empty(q.shape[:3], dtype=np.float32) if return_lse else None

@@ -156,7 +156,8 @@ def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
 
 def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False,
          stages: Optional[int] = None, bias: Any = None, score_mod: Any = None, fuse_mask: bool = False,
-         arch: Optional[str] = None, kv_lens: Any = None, num_splits: Optional[int] = None):
+         arch: Optional[str] = None, kv_lens: Any = None,
+         num_splits: Optional[int] = None) -> "Plan | decode.DecodePlan":
     """Which kernel ``attention()`` with these arguments would run, how, and why.
 
     Takes the arguments of ``attention()`` that decide the kernel (q/k/v may be NumPy arrays; only
