@@ -344,7 +344,8 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   TileInfo* ring_info = sInfo + group * kStages;
   constexpr int kNext = kKvGroups * kBc;  // from one tile of the group to its next
   PageHint hint{-1, 0};
-  const bool affine = p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % kBc == 0);
+  // (head_dim 256 keeps the per-row path: both copy loops in one kernel spilled there)
+  const bool affine = D <= 128 && p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % kBc == 0);
   auto issue = [&](TileInfo t, int slot) {
     u16* sK = ring + slot * 2 * kTile;
     if (affine) {
