@@ -438,3 +438,16 @@ def test_plan_follows_the_tile_table(monkeypatch):
     after = decode.plan_split_kv(**kw)
     assert (before.split.variant.warps, after.split.variant.warps) == (4, 2)
     assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
+
+
+def test_steady_state_needs_device_arrays():
+    """NumPy calls (and any call without a GPU) never take the decode recipe path: no key, no result."""
+    q, k = zeros(2, 8, 1, 64), zeros(2, 2, 100, 64)
+    assert decode.call_key("decode", (q, k, k), (None, None), (0, None, True, None, False, 0)) is None
+    key, result = decode.attention_steady(q, k, k, None, causal=True, scale=None, return_lse=False, out=None,
+                                          kv_lens=None, num_splits=None, score_mod=None, bias=None, stages=None,
+                                          fuse_mask=False)
+    assert key is None and result is None
+    assert decode.launch_known(None, q, k, k, None, None, False) is None
+    long_q = zeros(1, 8, 100, 64)  # 400 packed rows: attention() would not take the decode kernel
+    assert not decode._few_rows(long_q, k, None, None) and decode._few_rows(long_q, k, None, 4)
