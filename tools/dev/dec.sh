@@ -9,6 +9,8 @@
 #                  the last "STEP" line before a fault names the call
 #   3 memcheck     the same steps at 1/8 size (--preset small) under compute-sanitizer memcheck
 #                  (names the kernel and address of any out-of-bounds access)
+#   3b memcheck2  tests/sanitize_decode.py under memcheck: contiguous/paged/block-mask decode with the
+#                  combine kernel, the fused combine and affine row addresses
 #   4 tests        tests/test_decode_gpu.py: every decode/paged/varlen case against float64, the
 #                  new prefill-at-bench-size regression tests and the fused-combine tests
 #   5 tune         benchmarks/tune_decode.py: decode candidates side by side (table last), Nq 1
@@ -32,7 +34,7 @@ step() {  # step NAME SECONDS command...
   rc=$?
   tail -n 25 "$OUT/$name.log" | tee -a "$OUT/dec.log"
   SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" \
-    "$(grep -E 'STEP .*(FAILED|WRONG)|passed|failed|ERROR SUMMARY|prefill reproducer:|precompiled' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")")
+    "$(grep -E 'STEP .*(FAILED|WRONG)|passed|failed|ERROR SUMMARY|prefill reproducer:|precompiled|decode sanitize run' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")")
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
@@ -41,6 +43,8 @@ step repro 75 env CUDA_LAUNCH_BLOCKING=1 "$PY" tools/dev/dec_prefill.py --preset
 if [ -n "$SAN" ]; then
   step memcheck 60 "$SAN" --tool memcheck --report-api-errors no --print-limit 20 "$PY" tools/dev/dec_prefill.py --preset small \
     --steps mask,varlen,varlen_recall,padded,padded_recall
+  step memcheck2 45 "$SAN" --tool memcheck --report-api-errors no --print-limit 20 "$PY" tests/sanitize_decode.py \
+    --head-dims 128 --dtypes fp16
 else
   SUMMARY+=("memcheck   skipped: no compute-sanitizer")
 fi
