@@ -23,10 +23,11 @@ heuristic, which counts CTAs per SM from the tile's shared memory, unless a cand
   w2s3_fused    w2s3 + fused
   splits_x2     base with twice the heuristic's splits (more waves)
   splits_half   base with half of them (fewer partials)
-  affine        base, rows of a tile addressed from its first key (one page or a contiguous cache)
-                instead of one shuffled address per row (decode.AFFINE_ROWS)
+  affine        base, rows of each half tile addressed from its first key (a contiguous cache, or
+                pages of a multiple of 16 keys) instead of one shuffled address per row
+                (decode.AFFINE_ROWS)
 Paged candidates (--paged): base, affine and w2s3_fused_affine on page sizes 16 and 64
-(name/ps16, name/ps64; page size 16 keeps per-row addresses: its tiles straddle two pages).
+(name/ps16, name/ps64).
 With --nq 16 (GQA 4 x 16 positions: 64-row m tiles of 4 row warps per kv group; shipped 8 warps,
 3 stages = 2 kv groups, 218 KB):
   w4s3          one kv group, 3 stages (70 KB: 3 CTAs/SM)

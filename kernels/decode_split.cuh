@@ -209,11 +209,12 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
   if (row_warp == 0 && lane == 0) *info = t;
 }
 
-// issue_async for tiles whose 32 rows are consecutive slots of one page (p.affine_rows, with a
-// contiguous cache or page_size a multiple of 32: tiles start at multiples of 32, so they never
-// straddle a page). Row r sits at the tile's first address + r * s_slot: one shuffle of lane 0's
-// (page, slot) per tile instead of two 64-bit shuffles per copy. When row 0 does not exist (past
-// the sequence, or on a bad page) neither does any other row of the tile, and nothing is read.
+// issue_async for tiles whose rows are consecutive slots of a page in each half (p.affine_rows,
+// with a contiguous cache or page_size a multiple of 16: tiles start at multiples of 32, so rows
+// 0-15 lie in one page and rows 16-31 in one page). Row r sits at the address of its half's first
+// row (lanes 0 and 16) + (r % 16) * s_slot: two shuffles of (page, slot) per tile instead of two
+// 64-bit shuffles per copy. A row that does not exist (past the sequence, or on a bad page) is
+// never read; when a half's first row does not exist, neither does any later row of that half.
 template <class Cfg, int kRowWarps, class Params>
 __device__ __forceinline__ void issue_async_affine(const Params& p, const Cta& c, TileInfo t, int next, u16* sK,
                                                    u16* sV, TileInfo* info, const u16* k_base, const u16* v_base,
@@ -224,17 +225,20 @@ __device__ __forceinline__ void issue_async_affine(const Params& p, const Cta& c
     int page, slot;
     const bool ok = key_address(p, c, t.start, next, lane, hint, page, slot);
     t.valid = __ballot_sync(0xffffffffu, ok);
-    const int page0 = __shfl_sync(0xffffffffu, page, 0), slot0 = __shfl_sync(0xffffffffu, slot, 0);
-    const u16* k_tile = k_base + page0 * p.k_sb + slot0 * p.k_sn;
-    const u16* v_tile = v_base + page0 * p.v_sb + slot0 * p.v_sn;
+    const int page_lo = __shfl_sync(0xffffffffu, page, 0), slot_lo = __shfl_sync(0xffffffffu, slot, 0);
+    const int page_hi = __shfl_sync(0xffffffffu, page, 16), slot_hi = __shfl_sync(0xffffffffu, slot, 16);
+    const i64 k_lo = page_lo * p.k_sb + slot_lo * p.k_sn, k_hi = page_hi * p.k_sb + slot_hi * p.k_sn;
+    const i64 v_lo = page_lo * p.v_sb + slot_lo * p.v_sn, v_hi = page_hi * p.v_sb + slot_hi * p.v_sn;
     const u32 k_dst = smem_u32(sK), v_dst = smem_u32(sV);
 #pragma unroll
     for (int i = 0; i < kChunks / kRowWarps; ++i) {
       const int chunk = (i * kRowWarps + row_warp) * 32 + lane, row = chunk / kChunks, col = (chunk % kChunks) * 8;
       const bool live = (t.valid >> row) & 1u;
       const u32 dst = (row * kLd + col) * 2;
-      cp_async_16(k_dst + dst, live ? k_tile + row * p.k_sn + col : k_base, live);
-      cp_async_16(v_dst + dst, live ? v_tile + row * p.v_sn + col : v_base, live);
+      const i64 k_row = (row < 16 ? k_lo : k_hi) + (row % 16) * p.k_sn;
+      const i64 v_row = (row < 16 ? v_lo : v_hi) + (row % 16) * p.v_sn;
+      cp_async_16(k_dst + dst, live ? k_base + k_row + col : k_base, live);
+      cp_async_16(v_dst + dst, live ? v_base + v_row + col : v_base, live);
     }
   }
   if (row_warp == 0 && lane == 0) *info = t;
@@ -345,7 +349,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   constexpr int kNext = kKvGroups * kBc;  // from one tile of the group to its next
   PageHint hint{-1, 0};
   // (head_dim 256 keeps the per-row path: both copy loops in one kernel spilled there)
-  const bool affine = D <= 128 && p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % kBc == 0);
+  const bool affine = D <= 128 && p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % 16 == 0);
   auto issue = [&](TileInfo t, int slot) {
     u16* sK = ring + slot * 2 * kTile;
     if (affine) {

@@ -446,8 +446,8 @@ def test_steady_state_decode_calls(request, monkeypatch, entry, fused):
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,D,dtype,page_size,layout,lens,causal,window,score_mod,splits", PAGED)
 def test_paged_attention_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal,
                                      window, score_mod, splits):
-    """Every paged case again with decode.AFFINE_ROWS (one address per tile where a tile lies in one
-    page: page sizes 32 and up; 16 and 24 keep the per-row addresses)."""
+    """Every paged case again with decode.AFFINE_ROWS (one address per half tile: page sizes that are
+    multiples of 16; the odd page size 24 keeps the per-row addresses)."""
     monkeypatch.setattr(decode, "AFFINE_ROWS", True)
     test_paged_attention(request, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal, window, score_mod, splits)
 

@@ -57,9 +57,10 @@ ERROR_KV_LEN, ERROR_PAGE = 1, 2
 #: per unit) instead of a second, combine launch. Off until measured (benchmarks/tune_decode.py
 #: compares both); plan_split_kv(fused_combine=...) overrides it per plan.
 FUSED_COMBINE = False
-#: Tiles that lie inside one page (contiguous caches, page sizes that are multiples of 32) take one
-#: address per tile and step rows by the slot stride, instead of one address per row shuffled from
-#: its lane (kernels/decode_split.cuh issue_async_affine). Off until measured (tune_decode.py).
+#: With a contiguous cache or page sizes that are multiples of 16, each half (16 rows) of a kv tile
+#: lies in one page: it takes one address and steps rows by the slot stride, instead of one address
+#: per row shuffled from its lane (kernels/decode_split.cuh issue_async_affine; head_dim <= 128).
+#: Off until measured (tune_decode.py).
 AFFINE_ROWS = False
 
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
