@@ -63,12 +63,15 @@ class Gpu:
 
         return np.dtype(np.float16) if dtype == "fp16" else BFLOAT16
 
-    def randn(self, shape, dtype: str, rng):
-        """Unit normal in chunks along dim 0 (no float32 copy of a whole cache)."""
+    def randn(self, shape, dtype: str, rng, chunk: int = 1 << 24):
+        """Unit normal in chunks of ``chunk`` elements (no float32 copy of a whole cache, and no
+        launch per row of a packed [total, H, D] array)."""
         cp = self.cp
         out = cp.empty(shape, dtype=self.np_dtype(dtype))
-        for i in range(shape[0]):
-            out[i] = rng.standard_normal(shape[1:], dtype=cp.float32).astype(out.dtype)
+        flat = out.reshape(-1)
+        for start in range(0, flat.size, chunk):
+            n = min(chunk, flat.size - start)
+            flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(out.dtype)
         return out
 
     def torch_view(self, x):

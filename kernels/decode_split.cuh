@@ -23,6 +23,7 @@
 // kBc, kWarps, kStages, kThreads, kHasRule, kHasPartial, kHasScoreMod, Mma, score_mod) and the
 // parameter struct (DecodeParams, omnicupy/dispatch/params.py).
 #pragma once
+#include "decode_combine.cuh"
 #include "decode_tile.cuh"
 
 namespace omni {
@@ -208,6 +209,41 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
   if (row_warp == 0 && lane == 0) *info = t;
 }
 
+// issue_async for tiles whose rows are consecutive slots of a page in each half (p.affine_rows,
+// with a contiguous cache or page_size a multiple of 16: tiles start at multiples of 32, so rows
+// 0-15 lie in one page and rows 16-31 in one page). Row r sits at the address of its half's first
+// row (lanes 0 and 16) + (r % 16) * s_slot: two shuffles of (page, slot) per tile instead of two
+// 64-bit shuffles per copy. A row that does not exist (past the sequence, or on a bad page) is
+// never read; when a half's first row does not exist, neither does any later row of that half.
+template <class Cfg, int kRowWarps, class Params>
+__device__ __forceinline__ void issue_async_affine(const Params& p, const Cta& c, TileInfo t, int next, u16* sK,
+                                                   u16* sV, TileInfo* info, const u16* k_base, const u16* v_base,
+                                                   int row_warp, int lane, PageHint& hint) {
+  constexpr int kChunks = Cfg::kHeadDim / 8, kLd = Cfg::kHeadDim + 8;
+  static_assert(kChunks % kRowWarps == 0, "the warps of a group share a tile's copies evenly");
+  if (t.start >= 0) {
+    int page, slot;
+    const bool ok = key_address(p, c, t.start, next, lane, hint, page, slot);
+    t.valid = __ballot_sync(0xffffffffu, ok);
+    const int page_lo = __shfl_sync(0xffffffffu, page, 0), slot_lo = __shfl_sync(0xffffffffu, slot, 0);
+    const int page_hi = __shfl_sync(0xffffffffu, page, 16), slot_hi = __shfl_sync(0xffffffffu, slot, 16);
+    const i64 k_lo = page_lo * p.k_sb + slot_lo * p.k_sn, k_hi = page_hi * p.k_sb + slot_hi * p.k_sn;
+    const i64 v_lo = page_lo * p.v_sb + slot_lo * p.v_sn, v_hi = page_hi * p.v_sb + slot_hi * p.v_sn;
+    const u32 k_dst = smem_u32(sK), v_dst = smem_u32(sV);
+#pragma unroll
+    for (int i = 0; i < kChunks / kRowWarps; ++i) {
+      const int chunk = (i * kRowWarps + row_warp) * 32 + lane, row = chunk / kChunks, col = (chunk % kChunks) * 8;
+      const bool live = (t.valid >> row) & 1u;
+      const u32 dst = (row * kLd + col) * 2;
+      const i64 k_row = (row < 16 ? k_lo : k_hi) + (row % 16) * p.k_sn;
+      const i64 v_row = (row < 16 ? v_lo : v_hi) + (row % 16) * p.v_sn;
+      cp_async_16(k_dst + dst, live ? k_base + k_row + col : k_base, live);
+      cp_async_16(v_dst + dst, live ? v_base + v_row + col : v_base, live);
+    }
+  }
+  if (row_warp == 0 && lane == 0) *info = t;
+}
+
 // Barrier of the kRowWarps warps of kv group `group` (named barrier 1 + group; 0 is __syncthreads).
 template <int kRowWarps>
 __device__ __forceinline__ void group_sync(int group) {
@@ -215,6 +251,41 @@ __device__ __forceinline__ void group_sync(int group) {
     __syncwarp();
   } else {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(kRowWarps * 32) : "memory");
+  }
+}
+
+// Fused combine (p.split_counters non-null): the CTAs of one (m tile, kv head, batch) count
+// themselves out on split_counters[unit] once their partial rows are written; the last one merges
+// every split's rows into the output (merge_row, through L2) and resets the counter to 0 for the
+// next launch, so that no combine kernel is launched. Each thread fences its own partial writes
+// before the CTA's barrier and the count (the pattern of CUDA's threadFenceReduction sample);
+// the last CTA fences again before it reads. `flag`: one int of shared memory no longer in use.
+template <class Cfg, class Params>
+__device__ __forceinline__ void fused_combine(const Params& p, const Cta& c, int* flag) {
+  constexpr int kBm = Cfg::kBm, kWarps = Cfg::kWarps, D = Cfg::kHeadDim;
+  __threadfence();
+  __syncthreads();  // every thread's partial rows are written and fenced (and the merge buffers read)
+  const int m_tile = blockIdx.x % p.m_tiles;
+  const i64 unit = (static_cast<i64>(c.b) * p.kv_heads + c.hk) * p.m_tiles + m_tile;
+  if (threadIdx.x == 0) {
+    const int done_before = atomicAdd(p.split_counters + unit, 1);
+    const bool last = done_before == p.num_splits - 1;
+    if (last) p.split_counters[unit] = 0;  // nobody else counts on this unit in this launch any more
+    *flag = last;
+  }
+  __syncthreads();
+  if (*flag == 0) return;
+  __threadfence();  // the other splits' rows, which their fences made visible before their counts
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, Q = p.q_per_tile;
+  const i64 rows_total = static_cast<i64>(p.batch) * p.num_heads * p.q_len;
+  for (int r = warp; r < kBm; r += kWarps) {
+    const int qh = r / Q, qi = r % Q;
+    if (qh >= c.heads || qi >= c.queries) continue;
+    const int h = c.h_first + qh, i = c.q_first + qi;
+    const i64 row = (static_cast<i64>(c.b) * p.num_heads + h) * p.q_len + i;
+    u16* dst = p.o + c.b * p.o_sb + static_cast<i64>(h) * p.o_sh + static_cast<i64>(i) * p.o_sn;
+    merge_row<D, Cfg::kHeadDimValid, typename Cfg::Mma, true>(p.part_o, p.part_ml, rows_total, p.num_splits, row, dst,
+                                          p.lse == nullptr ? nullptr : p.lse + row, lane);
   }
 }
 
@@ -277,10 +348,17 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   TileInfo* ring_info = sInfo + group * kStages;
   constexpr int kNext = kKvGroups * kBc;  // from one tile of the group to its next
   PageHint hint{-1, 0};
+  // (head_dim 256 keeps the per-row path: both copy loops in one kernel spilled there)
+  const bool affine = D <= 128 && p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % 16 == 0);
   auto issue = [&](TileInfo t, int slot) {
     u16* sK = ring + slot * 2 * kTile;
-    issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
-                                hint);
+    if (affine) {
+      issue_async_affine<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp,
+                                         lane, hint);
+    } else {
+      issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
+                                  hint);
+    }
     cp_async_commit();
   };
 
@@ -458,6 +536,7 @@ __device__ __forceinline__ void split_kv(const Params& p) {
       if (d == 0) *reinterpret_cast<float2*>(p.part_ml + part * 2) = make_float2(m_log2, sum);
     }
   }
+  if (p.num_splits > 1 && p.split_counters != nullptr) fused_combine<Cfg>(p, c, reinterpret_cast<int*>(smem_raw));
 }
 
 }  // namespace decode

@@ -60,3 +60,15 @@ def compare(got, lse, want, want_lse, dtype, label, seed):
         assert np.all(np.isneginf(lse[empty])), f"{where}: empty rows must have LSE -inf"
         np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=2e-3, rtol=0, err_msg=where)
     return err
+
+
+def causal_rows(q_rows, k, v, first_row):
+    """float64 causal attention of the query rows ``first_row, first_row + 1, ...`` of one head
+    against keys ``k``/``v`` ``[n, D]``: row i sees keys j <= i (checks of a few rows of a long
+    sequence, without the reference's full score matrix)."""
+    q64, k64, v64 = (host(x) for x in (q_rows, k, v))
+    s = q64 @ k64.T / np.sqrt(q64.shape[-1])
+    rows = np.arange(first_row, first_row + len(q64))[:, None]
+    s = np.where(np.arange(len(k64))[None, :] <= rows, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v64

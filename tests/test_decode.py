@@ -400,3 +400,70 @@ def test_varlen_without_keys_needs_no_launch():
     out, lse = omnicupy.varlen_attention(q, zeros(0, 1, 8), zeros(0, 1, 8), np.array([0, 6]), np.array([0, 0]),
                                          return_lse=True)
     assert out.shape == q.shape and np.all(out == 0) and lse.shape == (2, 6) and np.all(np.isneginf(lse))
+
+
+# ------------------------------------------------------------------- plan(), fused combine, tiles
+def test_omnicupy_plan_describes_the_decode_kernel():
+    """omnicupy.plan() answers with the DecodePlan wherever attention() would take the decode kernel."""
+    q, k = zeros(8, 32, 1, 128), zeros(8, 8, 4096, 128)
+    plan = omnicupy.plan(q, k, k, causal="bottom_right", arch="sm_90")
+    assert isinstance(plan, decode.DecodePlan) and "decode:" in str(plan)
+    lens = np.array([4096, 100, 1, 0, 4096, 7, 8, 9], np.int32)
+    assert omnicupy.plan(q, k, k, kv_lens=lens, causal=True, arch="sm_90").rule.bottom_right
+    assert omnicupy.plan(q, k, k, num_splits=5, arch="sm_90").num_splits == 5
+    long_q = zeros(1, 4, 300, 64)  # 300 query rows: the forward kernel
+    assert not isinstance(omnicupy.plan(long_q, long_q, long_q, causal=True, arch="sm_90"), decode.DecodePlan)
+
+
+@pytest.mark.parametrize("splits,fused,want_fused", [
+    pytest.param(7, True, True, id="fused"),
+    pytest.param(7, False, False, id="combine-kernel"),
+    pytest.param(1, True, False, id="one-split-needs-no-merge"),
+])
+def test_fused_combine_plans_no_combine_kernel(splits, fused, want_fused):
+    plan = decode.plan_split_kv(head_dim=128, dtype="fp16", batch=2, heads=8, kv_heads=2, q_len=1, longest=1000,
+                                rows=decode.pack_rows(4, 1), rule=decode.Rule(causal=True, bottom_right=True),
+                                num_splits=splits, arch="sm_90", fused_combine=fused)
+    assert plan.fused == want_fused
+    assert (plan.combine is None) == (want_fused or splits == 1)
+    assert ("last CTA" in str(plan)) == want_fused
+
+
+def test_plan_follows_the_tile_table(monkeypatch):
+    """Tuning tools change DECODE_TILES between calls: the cached plan must follow."""
+    kw = dict(head_dim=128, dtype="fp16", batch=1, heads=32, kv_heads=8, q_len=1, longest=8192,
+              rows=decode.pack_rows(4, 1), rule=decode.Rule(causal=True, bottom_right=True), arch="sm_90")
+    before = decode.plan_split_kv(**kw)
+    monkeypatch.setitem(decode.DECODE_TILES, (128, 16), (2, 3))
+    after = decode.plan_split_kv(**kw)
+    assert (before.split.variant.warps, after.split.variant.warps) == (4, 2)
+    assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
+
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 256])
+def test_affine_row_addresses_match_per_row_addresses(page_size):
+    """kernels/decode_split.cuh issue_async_affine, emulated: for tiles that start at multiples of 32,
+    row r's (page, slot) from its half's first row (lanes 0 and 16) equals its own lookup whenever
+    the row exists, and a half whose first row does not exist has no row that does."""
+    rng = np.random.default_rng(page_size)
+    length = 1000
+    pages = -(-length // page_size)
+    table = rng.permutation(pages + 5)[:pages]
+    table[rng.integers(0, pages)] = -7  # one bad page id: its keys do not exist
+
+    def lookup(key):
+        if key >= length:
+            return None
+        page = table[key // page_size]
+        return None if page < 0 else (int(page), key % page_size)
+
+    for start in range(0, length + 64, 32):
+        rows = [lookup(start + r) for r in range(32)]
+        for half in (0, 16):
+            first = rows[half]
+            for r in range(half, half + 16):
+                if rows[r] is None:
+                    continue
+                assert first is not None, f"page {page_size}, tile {start}: row {r} exists, its half's first not"
+                assert rows[r] == (first[0], first[1] + r - half), f"page {page_size}, tile {start}, row {r}"

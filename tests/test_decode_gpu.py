@@ -268,3 +268,197 @@ def test_varlen_attention(request, q_lens, k_lens, Hq, Hkv, D, dtype, causal):
     want, want_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
     # rows as [Hq, total_q, D] so that the LSE [Hq, total_q] lines up with them
     compare(got.transpose(1, 0, 2), lse, want.transpose(1, 0, 2), want_lse, dtype, label, seed)
+
+
+# ------------------------------------------------------------------- prefill at the bench's size
+# bench_decode.py --parts prefill died with cudaErrorIllegalAddress (issue 16), and at 32 query heads
+# the padded batch (q of exactly 2**31 bytes) met an illegal address in attention(). These run the
+# same calls at the same sizes, into NaN-poisoned outputs, and check the rows at the highest
+# addresses (the end of the longest sequence, the last batch and head), where a 32-bit offset
+# would go wrong. tools/dev/dec_prefill.py runs them step by step.
+PREFILL_LENGTHS = (1024, 2048, 3072, 4096, 8192, 12288, 16384, 32768)
+
+
+def _device_randn(cp, shape, seed, chunk=1 << 24):
+    """fp16 unit normals generated on the device in chunks of ``chunk`` elements (no float32 copy
+    of a multi-GB array)."""
+    rng = cp.random.default_rng(seed)
+    out = cp.empty(shape, dtype=np.float16)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - start)
+        flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(np.float16)
+    return out
+
+
+@pytest.mark.parametrize("lengths,Hq,Hkv,family", [
+    pytest.param(PREFILL_LENGTHS, 16, 4, "auto", id="bench-1k-32k"),
+    pytest.param(PREFILL_LENGTHS, 16, 4, "wgmma", id="bench-1k-32k-wgmma"),
+    pytest.param((1000, 2049, 3071, 4097, 8191, 12289, 16383, 32769), 16, 4, "auto", id="odd-ends"),
+])
+def test_varlen_prefill_at_bench_size(request, monkeypatch, lengths, Hq, Hkv, family):
+    import cupy as cp
+
+    from decode_cases import causal_rows
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    monkeypatch.setenv("OMNICUPY_MMA", family)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, group = int(cu[-1]), Hq // Hkv
+    q, k, v = (_device_randn(cp, (total, h, 128), seed + i) for i, h in enumerate((Hq, Hkv, Hkv)))
+    out = poisoned(q.shape, q.dtype)
+    for call in ("first", "steady"):  # the general path, then recall's
+        out.fill(np.nan)
+        got = omnicupy.varlen_attention(q, k, v, cu, cu, causal=True, out=out)
+        cp.cuda.runtime.deviceSynchronize()
+        assert bool(cp.isfinite(got).all()), f"{label}/{call} (seed {seed}): NaN rows left unwritten"
+        for s in (0, 3, len(lengths) - 1):
+            a, b = int(cu[s]), int(cu[s + 1])
+            first = max(a, b - 128)
+            for h in (0, Hq - 1):
+                want = causal_rows(q[first:b, h], k[a:b, h // group], v[a:b, h // group], first - a)
+                err = reference.relative_error(got[first:b, h].get().astype(np.float64), want)
+                assert err <= 3e-3, f"{label}/{call} sequence {s} head {h} (seed {seed}): {err:.2e}"
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,N", [
+    pytest.param(8, 16, 4, 32768, id="padded-1GiB"),
+    pytest.param(8, 32, 8, 32768, id="padded-2GiB"),  # q and out of exactly 2**31 bytes
+])
+def test_padded_prefill_past_2gib(request, B, Hq, Hkv, N):
+    import cupy as cp
+
+    from decode_cases import causal_rows
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    q = _device_randn(cp, (B, Hq, N, 128), seed)
+    k = _device_randn(cp, (B, Hkv, N, 128), seed + 1)
+    v = _device_randn(cp, (B, Hkv, N, 128), seed + 2)
+    out = poisoned(q.shape, q.dtype)
+    got = omnicupy.attention(q, k, v, causal=True, out=out)
+    cp.cuda.runtime.deviceSynchronize()
+    assert bool(cp.isfinite(got).all()), f"{label} (seed {seed}): NaN rows left unwritten"
+    for b, h in ((0, 0), (B - 1, Hq - 1)):
+        for first in (0, N - 64):
+            hk = h // (Hq // Hkv)
+            want = causal_rows(q[b, h, first:first + 64], k[b, hk, :first + 64], v[b, hk, :first + 64], first)
+            err = reference.relative_error(got[b, h, first:first + 64].get().astype(np.float64), want)
+            assert err <= 3e-3, f"{label} batch {b} head {h} rows {first}.. (seed {seed}): {err:.2e}"
+
+
+# ------------------------------------------------------------------------------- fused combine
+# (B, Hq, Hkv, Nq, Nkv, D, dtype, kv_lens, causal, num_splits)
+FUSED = [
+    pytest.param(4, 8, 2, 1, 777, 128, "fp16", [0, 1, 500, 777], True, 5, id="ragged-with-empty"),
+    pytest.param(2, 8, 1, 1, 4096, 128, "bf16", [4096, 4000], False, 64, id="64-splits-gqa8"),
+    pytest.param(2, 8, 2, 16, 1500, 128, "fp16", [1000, 1500], True, 3, id="rows64-two-row-warps"),
+    pytest.param(2, 4, 1, 33, 600, 64, "fp16", [600, 40], True, 4, id="three-m-tiles"),
+    pytest.param(2, 4, 2, 1, 700, 256, "fp16", [700, 1], True, 7, id="d256"),
+    pytest.param(2, 32, 8, 1, 8192, 128, "fp16", None, True, None, id="heuristic-splits"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,lens,causal,splits", FUSED)
+def test_fused_combine(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits):
+    """The last CTA of each unit merges the splits (no combine launch): the same answer, and the
+    counters are back to zero after every call (three calls in a row, the last one replayed from a
+    CUDA graph)."""
+    import cupy as cp
+
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    monkeypatch.setattr(decode, "FUSED_COMBINE", True)
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, B, Hq, Nq, D, dtype, Hkv=Hkv, Nkv=Nkv)
+    kv_lens = None if lens is None else np.array(lens, np.int32)
+    qd, kd, vd = device(q, k, v)
+    lens_d = None if kv_lens is None else cp.asarray(kv_lens)
+    mode = "bottom_right" if causal and lens is None else causal
+    want, want_lse = reference.decode_attention(q, k, v, kv_lens, causal="bottom_right" if causal else False,
+                                                return_lse=True)
+    for call in range(3):
+        out = poisoned(q.shape, q.dtype)
+        got, lse = decode.decode_attention(qd, kd, vd, kv_lens=lens_d, num_splits=splits, causal=mode,
+                                           return_lse=True, out=out)
+        compare(got, lse, want, want_lse, dtype, f"{label}/call{call}", seed)
+    plan = decode.decode_plan(decode.check_qkv(qd, kd, vd), None, lens_d, splits, causal=mode)
+    assert plan.fused == (plan.num_splits > 1) and plan.combine is None, f"{label}: {plan}"
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = poisoned(q.shape, q.dtype)
+        stream.begin_capture()
+        decode.decode_attention(qd, kd, vd, kv_lens=lens_d, num_splits=splits, causal=mode, out=out)
+        graph = stream.end_capture()
+        for _ in range(2):
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            compare(out, None, want, want_lse, dtype, f"{label}/graph", seed)
+
+
+# ------------------------------------------------------------------------------- steady state
+STEADY = [
+    pytest.param("decode_attention", id="decode-attention"),
+    pytest.param("attention-kv-lens", id="attention-kv-lens"),
+    pytest.param("attention-auto", id="attention-few-rows"),
+    pytest.param("paged", id="paged-validated"),
+    pytest.param("paged-unchecked", id="paged-validate-false"),
+]
+
+
+@pytest.mark.parametrize("entry", STEADY)
+@pytest.mark.parametrize("fused", [False, True], ids=["combine", "fused"])
+def test_steady_state_decode_calls(request, monkeypatch, entry, fused):
+    """The second and later calls of a signature replay the first call's launches (ops/recall.py,
+    ChainRecipe) on new arrays (new pointers, new kv_lens values): each one against float64."""
+    label = request.node.callspec.id
+    seed = seed_of(label)
+    monkeypatch.setattr(decode, "FUSED_COMBINE", fused)
+    B, Hq, Hkv, Nq, N, D = 3, 8, 2, 2, 700, 128
+    for call in range(3):
+        rng = np.random.default_rng(seed + call)
+        q, k, v = random_qkv(rng, B, Hq, Nq, D, "fp16", Hkv=Hkv, Nkv=N)
+        lens = rng.integers(0, N + 1, size=B).astype(np.int32)
+        lens[0] = N
+        qd, kd, vd, lens_d = device(q, k, v, lens)
+        if entry.startswith("paged"):
+            pages = sum(-(-int(n) // 16) for n in lens)  # one pool size for every call: one signature
+            kp, vp, table = paged_from_contiguous(rng, k, v, 16, "NHD", lens, spare_pages=B * -(-N // 16) + 3 - pages)
+            got, lse = omnicupy.paged_attention(*device(q, kp, vp, table), lens_d, return_lse=True, num_splits=4,
+                                                validate=entry == "paged")
+            want, want_lse = reference.paged_attention(q, kp, vp, table, lens, return_lse=True)
+        elif entry == "attention-auto":  # no kv_lens: the whole cache, bottom-right
+            got, lse = omnicupy.attention(qd, kd, vd, causal="bottom_right", return_lse=True)
+            want, want_lse = reference.decode_attention(q, k, v, None, causal="bottom_right", return_lse=True)
+        else:
+            fn = decode.decode_attention if entry == "decode_attention" else omnicupy.attention
+            got, lse = fn(qd, kd, vd, kv_lens=lens_d, causal=True, num_splits=3, return_lse=True)
+            want, want_lse = reference.decode_attention(q, k, v, lens, causal="bottom_right", return_lse=True)
+        compare(got, lse, want, want_lse, "fp16", f"{label}/call{call}", seed + call)
+    assert decode.take_device_errors() == 0
+
+
+# ---------------------------------------------------------------------------- affine row addresses
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,D,dtype,page_size,layout,lens,causal,window,score_mod,splits", PAGED)
+def test_paged_attention_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal,
+                                     window, score_mod, splits):
+    """Every paged case again with decode.AFFINE_ROWS (one address per half tile: page sizes that are
+    multiples of 16; the odd page size 24 keeps the per-row addresses)."""
+    monkeypatch.setattr(decode, "AFFINE_ROWS", True)
+    test_paged_attention(request, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal, window, score_mod, splits)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,lens,causal,splits,score_mod", CONTIGUOUS)
+def test_contiguous_decode_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits,
+                                       score_mod):
+    monkeypatch.setattr(decode, "AFFINE_ROWS", True)
+    test_contiguous_decode(request, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits, score_mod)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,Bm,Hm,qbs,kbs,probs,shuffle,lens,splits", MASKED)
+def test_decode_block_masks_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, Bm, Hm, qbs, kbs, probs,
+                                        shuffle, lens, splits):
+    monkeypatch.setattr(decode, "AFFINE_ROWS", True)
+    test_decode_block_masks(request, B, Hq, Hkv, Nq, Nkv, D, dtype, Bm, Hm, qbs, kbs, probs, shuffle, lens, splits)

@@ -52,6 +52,15 @@ WAVE_TOLERANCE = 0.95
 COMBINE_WARPS = 4
 #: Bits of the device error word (kernels/decode_split.cuh).
 ERROR_KV_LEN, ERROR_PAGE = 1, 2
+#: Merge the splits in the split kernel's last CTA per (m tile, kv head, batch) (an atomic counter
+#: per unit) instead of a second, combine launch. Off until measured (benchmarks/tune_decode.py
+#: compares both); plan_split_kv(fused_combine=...) overrides it per plan.
+FUSED_COMBINE = False
+#: With a contiguous cache or page sizes that are multiples of 16, each half (16 rows) of a kv tile
+#: lies in one page: it takes one address and steps rows by the slot stride, instead of one address
+#: per row shuffled from its lane (kernels/decode_split.cuh issue_async_affine; head_dim <= 128).
+#: Off until measured (tune_decode.py).
+AFFINE_ROWS = False
 
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
 #: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
@@ -116,6 +125,8 @@ class DecodePlan:
     num_splits: int
     rule: Optional[Rule]  # None in mask mode
     reason: str
+    #: the split kernel merges the splits itself (last CTA per unit; combine is None then)
+    fused: bool = False
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -125,8 +136,9 @@ class DecodePlan:
         r = self.rows
         mode = "block mask" if self.rule is None else (
             f"rule (causal={self.rule.causal}, window={self.rule.window or None}, bottom_right={self.rule.bottom_right})")
-        text = (f"decode: {self.split.kernel} x {self.num_splits} splits"
-                + (f" + {self.combine.kernel}" if self.combine else "") + "\n"
+        merge = (f" + {self.combine.kernel}" if self.combine else
+                 " (merged by the last CTA of each unit)" if self.fused else "")
+        text = (f"decode: {self.split.kernel} x {self.num_splits} splits{merge}\n"
                 f"  m tile {r.br} rows = {r.heads_per_tile} query heads x {r.q_per_tile} positions, "
                 f"{r.m_tiles} m tiles per kv head; {mode}\n"
                 f"  grid {self.split.grid}, block {self.split.block}, {self.split.smem_bytes} bytes of shared memory\n"
@@ -219,19 +231,27 @@ def combine_variant(head_dim: int, dtype: str) -> Variant:
 def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads: int, q_len: int,
                   longest: int, rows: Rows, rule: Optional[Rule], mask_features: tuple[bool, bool] = (False, False),
                   score_expr: Optional[tuple] = None, num_splits: Optional[int] = None, ragged: bool = False,
-                  arch: Optional[str] = None, num_sms: Optional[int] = None, why: str = "") -> DecodePlan:
+                  arch: Optional[str] = None, num_sms: Optional[int] = None, why: str = "",
+                  fused_combine: Optional[bool] = None) -> DecodePlan:
     """Plan both kernels. ``longest``: the most keys one tile's walk can cover (bounds the splits);
     ``ragged``: sequence lengths differ or are not known on the host (choose_splits); ``rule`` None
-    means mask mode with ``mask_features`` (causal, partial). Plans are cached: a decode loop plans
+    means mask mode with ``mask_features`` (causal, partial); ``fused_combine`` (default
+    FUSED_COMBINE) merges the splits in the split kernel. Plans are cached: a decode loop plans
     once per power of two of its longest sequence."""
     longest = 1 << max(longest - 1, 0).bit_length()
+    fused = FUSED_COMBINE if fused_combine is None else bool(fused_combine)
     return _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features,
-                          score_expr, num_splits, ragged, arch, _sms(num_sms), why)
+                          score_expr, num_splits, ragged, arch, _sms(num_sms), why, fused, _tiles_key())
+
+
+def _tiles_key() -> tuple:
+    """DECODE_TILES as a cache key: tuning tools may change the table between calls."""
+    return tuple(DECODE_TILES.items())
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features, score_expr,
-                   num_splits, ragged, arch, sms, why) -> DecodePlan:
+                   num_splits, ragged, arch, sms, why, fused=False, tiles=()) -> DecodePlan:
     if rule is not None:
         causal, partial = rule.causal or rule.window > 0, False
     else:
@@ -254,13 +274,14 @@ def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows
                       smem_bytes=split_v.smem_bytes, q_tile_order=None, arch=arch,
                       reason=f"split-KV decode: {why}; {how}")
     combine_plan = None
-    if splits > 1:
+    fused = fused and splits > 1
+    if splits > 1 and not fused:
         cv = combine_variant(head_dim, dtype)
         out_rows = batch * heads * q_len
         combine_plan = Plan(variant=cv, grid=(cdiv(out_rows, COMBINE_WARPS), 1, 1), block=(cv.threads, 1, 1),
                             smem_bytes=0, q_tile_order=None, arch=arch,
                             reason=f"merge {splits} partial rows per output row")
-    return DecodePlan(split_plan, combine_plan, rows, splits, rule, split_plan.reason)
+    return DecodePlan(split_plan, combine_plan, rows, splits, rule, split_plan.reason, fused)
 
 
 def shipped_variants(arch: Optional[str] = None, head_dims=SUPPORTED_HEAD_DIMS, dtypes=("fp16", "bf16")) -> list[Variant]:
@@ -474,6 +495,20 @@ def device_lengths(kv_lens: Any):
 
 
 _error_words: dict[int, Any] = {}
+_split_counters: dict[tuple[int, int], Any] = {}
+
+
+def split_counters(units: int):
+    """Zeroed int32 counters for a fused combine of ``units`` (m tile, kv head, batch) units, one
+    buffer per (device, stream): the last CTA of each unit resets its counter, so the buffer is
+    zero again after every launch, and launches on one stream never share a counter at once. Grown
+    (a fresh zeroed buffer) when a launch needs more units."""
+    cp = arrays.cupy_module()
+    key = (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr)
+    buf = _split_counters.get(key)
+    if buf is None or buf.size < units:
+        buf = _split_counters[key] = cp.zeros(max(units, 1024), dtype=np.int32)
+    return buf
 
 
 def error_word():
@@ -550,8 +585,10 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
     transforms = score_expr is not None
     r = plan.rows
     fields = {
-        "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 else None,
+        "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 or plan.fused else None,
         "part_o": part_o, "part_ml": part_ml,
+        "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
+        "affine_rows": int(AFFINE_ROWS),
         "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
         "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
@@ -585,5 +622,6 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         _call(combine, plan.combine.grid, plan.combine.block, COMBINE, cfields, 0, record)
 
 
-__all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention", "plan_split_kv", "launch",
-           "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS", "MAX_SPLITS", "DECODE_TILES"]
+__all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention",
+           "plan_split_kv", "launch", "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS",
+           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE", "AFFINE_ROWS"]

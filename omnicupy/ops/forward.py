@@ -171,7 +171,8 @@ def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
 
 def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False,
          stages: Optional[int] = None, bias: Any = None, score_mod: Any = None, fuse_mask: bool = False,
-         arch: Optional[str] = None) -> Plan:
+         arch: Optional[str] = None, kv_lens: Any = None,
+         num_splits: Optional[int] = None) -> "Plan | decode.DecodePlan":
     """Which kernel ``attention()`` with these arguments would run, how, and why.
 
     Takes the arguments of ``attention()`` that decide the kernel (q/k/v may be NumPy arrays; only
@@ -180,11 +181,19 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
     plans for that GPU; by default, for the current device (a GPU is needed then).
 
         print(omnicupy.plan(q, k, v, bm))
+
+    Where attention() would take the split-KV decode kernel (few query rows per kv head, or
+    ``kv_lens`` / ``num_splits`` given), the answer is that kernel's ``decode.DecodePlan``
+    (split count, m tile packing, the combine) instead.
     """
     inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     if arch is None:
         require_gpu()
         arch = current_arch()
+    split_kv = decode.decode_plan(inp, block_mask if isinstance(block_mask, BlockMask) else None, kv_lens, num_splits,
+                                  causal=causal, score_expr=extras.score_expr, bias=extras.bias, arch=arch)
+    if split_kv is not None:
+        return split_kv
     return make_plan(inp, bm, stages, extras, arch)
 
 

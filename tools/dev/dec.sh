@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device run for task dec (issue 16): the ragged-prefill crash and decode speed. Run from the
+# repository root on one H200; logs go to $OUT (default /tmp/dec_out); the summary comes last.
+#
+#   1 precompile   decode tiles + tuning candidates + D 64/128 forward variants (parallel)
+#   2 repro        tools/dev/dec_prefill.py --preset full under CUDA_LAUNCH_BLOCKING=1: the bench's
+#                  prefill calls one synchronized step at a time (mask, varlen first/recall/graph,
+#                  padded batch at 16 and 32 heads = 1 and 2 GiB of q), families auto and wgmma;
+#                  the last "STEP" line before a fault names the call
+#   3 memcheck     the same steps at 1/8 size (--preset small) under compute-sanitizer memcheck
+#                  (names the kernel and address of any out-of-bounds access)
+#   3b memcheck2  tests/sanitize_decode.py under memcheck: contiguous/paged/block-mask decode with the
+#                  combine kernel, the fused combine and affine row addresses
+#   4 tests        tests/test_decode_gpu.py: every decode/paged/varlen case against float64, the
+#                  new prefill-at-bench-size regression tests and the fused-combine tests
+#   5 tune         benchmarks/tune_decode.py: decode candidates side by side (table last), Nq 1
+#                  on the 9 cells (contiguous, paged 16/64), then Nq 16 on B 8/32 x 32k
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=. OMNICUPY_CACHE_DIR=/tmp/oc_dec
+OUT=${OUT:-/tmp/dec_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+SUMMARY=()
+T0=$(date +%s)
+
+step() {  # step NAME SECONDS command...
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "=== $name: $*" | tee -a "$OUT/dec.log"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/$name.log" | tee -a "$OUT/dec.log"
+  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" \
+    "$(grep -E 'STEP .*(FAILED|WRONG)|passed|failed|ERROR SUMMARY|prefill reproducer:|precompiled|decode sanitize run' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")")
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+step precompile 50 "$PY" tools/dev/dec_precompile.py
+step repro 75 env CUDA_LAUNCH_BLOCKING=1 "$PY" tools/dev/dec_prefill.py --preset full --families auto,wgmma
+if [ -n "$SAN" ]; then
+  step memcheck 60 "$SAN" --tool memcheck --report-api-errors no --print-limit 20 "$PY" tools/dev/dec_prefill.py --preset small \
+    --steps mask,varlen,varlen_recall,padded,padded_recall
+  step memcheck2 45 "$SAN" --tool memcheck --report-api-errors no --print-limit 20 "$PY" tests/sanitize_decode.py \
+    --head-dims 128 --dtypes fp16
+else
+  SUMMARY+=("memcheck   skipped: no compute-sanitizer")
+fi
+step tests 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_gpu.py
+step tune 110 "$PY" benchmarks/tune_decode.py --reps 3 --json "$OUT/tune_decode.json"
+step tune16 40 "$PY" benchmarks/tune_decode.py --reps 3 --nq 16 --cells 8:32768,32:32768 --paged '' --json "$OUT/tune_decode_nq16.json"
+
+echo
+echo "---- tune tables"
+sed -n '/^decode tuning/,$p' "$OUT/tune.log" "$OUT/tune16.log"
+echo "---- repro steps"
+grep -E '^STEP' "$OUT/repro.log" | tail -n 40  # a step with no result line after its "..." faulted
+echo "---- summary (logs in $OUT; $(( $(date +%s) - T0 )) s in all)"
+printf '%s\n' "${SUMMARY[@]}"
