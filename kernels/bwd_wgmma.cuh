@@ -52,7 +52,9 @@ struct Shape {
   static constexpr int kLdS = C::kBr + 8;                  // dSᵀ row stride: +16 bytes, conflict-free ldmatrix
   static constexpr int kDqCols = C::kHeadDim / kWarpgroups;  // dQ columns per warpgroup
   static constexpr int kDqN = kDqCols < 64 ? kDqCols : 64;   // columns per dQ wgmma (one swizzle column block)
-  static constexpr int kKStepBytes = 32;                   // a k16 step along a 128-byte swizzled row
+  // dPᵀ issued right behind Sᵀ, its accumulators in flight while P is computed; per-score
+  // transforms at D = 128 need those registers (a bias variant spilled), so they issue it after P.
+  static constexpr bool kOverlapDp = !(C::kTransformScores && C::kHeadDim > 64);
 
   static_assert(C::kBr == 64, "dQ = dS K: one m64 wgmma covers the q tile");
   static_assert(C::kBc % 64 == 0 && C::kWarps == C::kBc / 16, "one consumer warpgroup per 64 kv rows");
@@ -73,19 +75,21 @@ struct Smem {
 
 // ---------------------------------------------------------------- global -> shared, swizzled
 // kRows rows of the head dim from sequence position row0 into the swizzled layout at shared
-// address `dst`; rows at or past `len` are zero-filled. Consecutive threads copy consecutive
-// 16-byte chunks of a row (coalesced reads).
+// address `dst`; rows at or past `len` are zero-filled. Thread t copies chunk t % kChunks of rows
+// t / kChunks + i * kRowStep (consecutive threads read consecutive chunks: coalesced). kRowStep
+// is a multiple of the swizzle's 8-row period, so a thread's chunk keeps its swizzled column in
+// every pass: one shared offset per thread, the passes immediate offsets (as the forward's copies).
 template <int kRows, int kChunks, int kThreads>
 __device__ __forceinline__ void load_tile_async(u32 dst, const u16* src, i64 row_stride, int row0, int len) {
-  constexpr int kTotal = kRows * kChunks;
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "whole swizzle atoms per pass");
+  const int r = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const u32 to = dst + wgmma::chunk_offset(kRows, r, ch);
+  const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
 #pragma unroll
-  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-    const int c = i * kThreads + static_cast<int>(threadIdx.x);
-    if (kTotal % kThreads != 0 && c >= kTotal) break;
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = row0 + r < len;
-    cp_async_16(dst + wgmma::chunk_offset(kRows, r, ch), valid ? src + static_cast<i64>(row0 + r) * row_stride + ch * 8 : src,
-                valid);
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const bool valid = row0 + r + i * kRowStep < len;
+    cp_async_16(to + i * kRowStep * wgmma::kSwizzleBytes, valid ? from + i * kRowStep * row_stride : src, valid);
   }
 }
 
@@ -220,14 +224,21 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     const float* lse_s = sLse + buf * kBr;
     const float* delta_s = sDelta + buf * kBr;
 
-    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it ----
+    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
     float acc_s[1][kNT][4], acc_dp[1][kNT][4];
+    const auto issue_dp = [&] {
+      issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
+      wgmma::commit();
+    };
     wgmma::fence();
     issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_s[0], k_a, wgmma::advance(q_kmaj0, buf_off));
     wgmma::commit();
-    issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
-    wgmma::commit();
-    wgmma::wait<1>();  // Sᵀ only
+    if constexpr (S::kOverlapDp) {
+      issue_dp();
+      wgmma::wait<1>();  // Sᵀ only
+    } else {
+      wgmma::wait<0>();
+    }
     wgmma::pin(acc_s[0]);
 
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (as bwd_kv_tile.cuh) ----
@@ -241,17 +252,30 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       words = p.kv_block_size / 32;
       bits = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (q0 - cur.q_block * p.q_block_size)) * words;
     }
-    float grad[kNT][4];
+    // Per n8 tile: Pᵀ packed into the A fragments of dV (p_t), and acc_s keeps Pᵀ ∘ score_mod' in
+    // fp32 for dSᵀ (no array of derivatives stays live across the tile).
+    u32 p_t[1][S::kQSteps][4];
+    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
+      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
+      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
+    };
     if (!C::kTransformScores && !partial && !causal_cut && !kv_tail) {
       // A tile with nothing to mask or transform: P straight from the raw scores.
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4];
+        const float one[4] = {1.f, 1.f, 1.f, 1.f};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          acc_s[0][nt][i] = exp2_approx(fmaf(acc_s[0][nt][i], p.scale_log2, -lse_s[nt * 8 + (lane % 4) * 2 + (i % 2)]));
+          pf[i] = exp2_approx(fmaf(acc_s[0][nt][i], p.scale_log2, -lse_s[nt * 8 + (lane % 4) * 2 + (i % 2)]));
+        finish(nt, pf, one);
+      }
     } else {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4], g[4];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {  // j: column 2(l%4) + j; i = j (row l/4) and j + 2 (row l/4 + 8)
           const int q_local = nt * 8 + (lane % 4) * 2 + j;
@@ -266,8 +290,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
             const int i = j + 2 * half;
             const int kv = kv0 + warp_row0 + lane / 4 + half * 8;
             float s = acc_s[0][nt][i];
-            grad[nt][i] = 0.f;
-            if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, grad[nt][i]);
+            g[i] = 0.f;
+            if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, g[i]);
             bool ok = !kv_tail || kv < kv_len;
             if (partial) {
               if (C::kFuseMask) {
@@ -279,15 +303,16 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
               ok = ok && q >= kv;
             }
             // Masked scores and rows with no allowed key (lse_log2 = +inf) give exactly 0.
-            acc_s[0][nt][i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
+            pf[i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
           }
         }
+        finish(nt, pf, g);
+      }
     }
 
     // ---- dV += Pᵀ dO (runs while dSᵀ is computed) ----
-    u32 p_t[1][S::kQSteps][4];
-    bwd::pack_a<1, kNT, T>(p_t, acc_s);
     wgmma::fence();
+    if constexpr (!S::kOverlapDp) issue_dp();
     issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(do_nmaj0, buf_off));
     wgmma::commit();
 
@@ -299,9 +324,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float d = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
-        float ds = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);
-        if (C::kHasScoreGrad) ds *= grad[nt][i];
-        acc_dp[0][nt][i] = ds;
+        acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);  // acc_s: Pᵀ ∘ score_mod'
       }
     u32 ds_t[1][S::kQSteps][4];
     bwd::pack_a<1, kNT, T>(ds_t, acc_dp);
@@ -319,6 +342,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       *reinterpret_cast<u32*>(row0 + 8 * kLdS + 8) = ds_t[0][kk][3];
     }
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp
+    // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
+    // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).
+    wgmma::wait<0>();
+    hold(p_t[0]);
+    hold(ds_t[0]);
+    wgmma::pin(acc_dk);
+    wgmma::pin(acc_dv);
 
     // ---- dQ += dS K (fp32 reductions; in deterministic mode in the fixed kv tile order) ----
     {
@@ -345,15 +375,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         issue_regs_rows<S::kDqN, S::kKvSteps, T>(
             acc_dq, a_ds, wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
         wgmma::commit();
-        wgmma::wait<0>();  // dQ, and dV, dK before it
+        wgmma::wait<0>();
         wgmma::pin(acc_dq);
         hold(a_ds);
-        if (chunk == 0) {  // dV and dK have completed: their fragments may be released
-          hold(p_t[0]);
-          hold(ds_t[0]);
-          wgmma::pin(acc_dk);
-          wgmma::pin(acc_dv);
-        }
         if (deterministic && chunk == 0) {  // wait for the kv tiles before this one
           if (tid == 0) {
             while (bwd::load_acquire(sem) != turn) {
