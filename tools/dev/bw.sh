@@ -10,8 +10,12 @@
 #      D = 64/128 and a check that the wgmma kernels ran
 #   3. compute-sanitizer memcheck and racecheck on tests/sanitize_backward.py --family wgmma (small N)
 #   4. benchmarks.run --pass bwd, fp16, N = 8192, B = 2, H = 16, D = 64/128: full, causal, document,
-#      OMNICUPY_BWD=sync then wgmma (omnicupy and omnicupy_det), gradients checked against float64 first
+#      OMNICUPY_BWD=sync then wgmma, gradients checked against float64 first; then
+#      benchmarks/tune_backward.py --family wgmma: tiles 64x64 (1 warpgroup) vs 64x128 (2, D = 128),
+#      deterministic=True, full and causal
 #   5. a summary table (last)
+# Each step has a timeout (150 + 2x35 + 2x60 + 50 s after a ~20 s precompile: worst case ~7 min,
+# expected well under 6).
 # Logs: $OUT/*.log; benchmark JSON: $OUT/bench_{sync,wgmma}/results.json.
 set -u
 cd "$(dirname "$0")/../.."
@@ -30,7 +34,7 @@ RC[precompile]=$?
 tail -3 "$OUT/precompile.log"
 
 echo "[$(elapsed)s] wgmma backward GPU tests"
-timeout 180 $PY -m pytest -q -p no:cacheprovider --maxfail=40 -rfE tests/test_backward_wgmma_gpu.py \
+timeout 150 $PY -m pytest -q -p no:cacheprovider --maxfail=40 -rfE tests/test_backward_wgmma_gpu.py \
   >"$OUT/pytest_wgmma.log" 2>&1
 RC[pytest]=$?
 tail -15 "$OUT/pytest_wgmma.log"
@@ -38,18 +42,25 @@ tail -15 "$OUT/pytest_wgmma.log"
 SAN_ARGS="tests/sanitize_backward.py --family wgmma --head-dims 64,128 --dtypes fp16 --n 133"
 for tool in memcheck racecheck; do
   echo "[$(elapsed)s] compute-sanitizer $tool"
-  timeout 50 compute-sanitizer --tool "$tool" --error-exitcode 99 $PY $SAN_ARGS >"$OUT/sanitize_$tool.log" 2>&1
+  timeout 35 compute-sanitizer --tool "$tool" --error-exitcode 99 $PY $SAN_ARGS >"$OUT/sanitize_$tool.log" 2>&1
   RC[$tool]=$?
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|WRONG|Error" "$OUT/sanitize_$tool.log" | tail -4
 done
 
 for family in sync wgmma; do
   echo "[$(elapsed)s] benchmark, OMNICUPY_BWD=$family"
-  OMNICUPY_BWD=$family timeout 90 $PY -m benchmarks.run --pass bwd --budget 45 --masks full,causal,document \
-    --head-dims 64,128 --dtypes fp16 --seq-lens 8192 --systems omnicupy,omnicupy_det --warmup 5 --rep 20 \
+  OMNICUPY_BWD=$family timeout 60 $PY -m benchmarks.run --pass bwd --budget 35 --masks full,causal,document \
+    --head-dims 64,128 --dtypes fp16 --seq-lens 8192 --systems omnicupy --warmup 5 --rep 20 \
     --no-chart --out "$OUT/bench_$family" >"$OUT/bench_$family.log" 2>&1
   RC[bench_$family]=$?
 done
+
+# wgmma tiles at D = 128 (one consumer warpgroup 64x64 vs two, 64x128) and deterministic=True,
+# gradients of one head checked against float64 first
+echo "[$(elapsed)s] wgmma tiles and deterministic (tune_backward.py)"
+timeout 50 $PY benchmarks/tune_backward.py --family wgmma --head-dims 64,128 --masks full,causal \
+  --tiles 64:64:4,64:128:8 --det --precompile 16 >"$OUT/tune_wgmma.log" 2>&1
+RC[tune]=$?
 
 echo "[$(elapsed)s] summary"
 $PY - "$OUT" <<'EOF'
@@ -74,6 +85,12 @@ for key in sorted(set(sync) | set(wg), key=lambda k: (k[0], k[2], k[1])):
 log = (out / "pytest_wgmma.log").read_text() if (out / "pytest_wgmma.log").exists() else ""
 counts = re.findall(r"(\d+ (?:passed|failed|skipped|error|errors))", log)
 print(f"\nwgmma GPU tests: {', '.join(counts[-4:]) or 'no summary (see pytest_wgmma.log)'}")
+tune = out / "tune_wgmma.log"
+if tune.exists():
+    print("\nwgmma tiles / deterministic (tune_backward.py):")
+    for line in tune.read_text().splitlines():
+        if "TFLOP/s" in line or "Error" in line:
+            print("  " + line)
 for tool in ("memcheck", "racecheck"):
     p = out / f"sanitize_{tool}.log"
     text = p.read_text() if p.exists() else ""
