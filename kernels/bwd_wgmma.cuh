@@ -185,12 +185,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   //   K, V as A of Sᵀ / dPᵀ (K-major): this warpgroup's 64 rows.
   //   Q, dO as B of Sᵀ / dPᵀ (K-major) and as B of dK / dV (N-major: k = q row, n = head dim column).
   //   K as B of dQ (N-major: k = kv row).
+  // V, dO: a compile-time offset from K, Q (one add each, which ptxas can redo instead of holding).
   const u64 k_a = wgmma::descriptor(sK + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
-  const u64 v_a = wgmma::descriptor(sV + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
+  const u64 v_a = wgmma::advance(k_a, S::kKvBytes);
   const u64 q_kmaj0 = wgmma::descriptor(sQ, 16, wgmma::kAtomBytes);
-  const u64 do_kmaj0 = wgmma::descriptor(sdO, 16, wgmma::kAtomBytes);
+  const u64 do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
   const u64 q_nmaj0 = wgmma::descriptor(sQ, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
-  const u64 do_nmaj0 = wgmma::descriptor(sdO, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const u64 do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
   const u64 k_nmaj = wgmma::descriptor(sK, kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
   // dS's A fragments from dSᵀ [kv][q] (ldmatrix.trans): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2.
   const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ

@@ -106,6 +106,8 @@ FEATURES = [
     *[tiles.backward_variant(tiles.WGMMA_BACKWARD_TILES[hd], hd, "bf16", True, True, mask_expr=DOC_MASK.cuda.key,
                              score_expr=ALIBI.cuda.key, score_grad=score_mods.UNIT_GRAD, family="wgmma")
       for hd in tiles.WGMMA_BACKWARD_TILES],
+    *[tiles.backward_variant(tiles.WGMMA_BACKWARD_TILES[hd], hd, "fp16", False, True, mask_expr=DOC_MASK.cuda.key,
+                             family="wgmma") for hd in tiles.WGMMA_BACKWARD_TILES],
     # two consumer warpgroups (not in the table yet: for measurements)
     *[tiles.backward_variant(tiles.BwdTile(64, 128, 8), 128, "fp16", c, p, family="wgmma")
       for c, p in ((False, False), (True, True))],
