@@ -3,7 +3,7 @@ deterministic mode, bf16, and the sparse-vs-dense ratio. Prints one line per mea
 
     PYTHONPATH=. python3 benchmarks/tune_backward.py [--head-dims 64,128] [--masks full,causal]
         [--tiles 64:64:4,32:64:4:1] [--n 8192] [--batch 2] [--heads 16] [--dtypes fp16] [--det]
-        [--precompile 16]
+        [--precompile 16] [--family sync|wgmma]
 
 A tile is br:bc:warps[:stages] (tiles.BwdTile). Each candidate's gradients of one head are checked
 against a float64 reference on the GPU (benchmarks/_systems.GradReference) before it is timed.
@@ -12,6 +12,7 @@ Backward TFLOP/s = 2.5 x 4·B·H·pairs·D / time (pairs counted from the elemen
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return float(np.median(times))
 
 
-def precompile(head_dims, dtypes, candidates, jobs: int) -> None:
+def precompile(head_dims, dtypes, candidates, jobs: int, family: str = "sync") -> None:
     """Build every (tile, head dim, dtype, mask feature) variant in parallel first (cli.precompile)."""
     from omnicupy import cli, jit
 
@@ -55,7 +56,7 @@ def precompile(head_dims, dtypes, candidates, jobs: int) -> None:
             for dt in dtypes:
                 for causal in (False, True):
                     for partial in (False, True):
-                        variants.append(tiles.backward_variant(tile, hd, dt, causal, partial))
+                        variants.append(tiles.backward_variant(tile, hd, dt, causal, partial, family=family))
     cli.precompile(variants, [jit.device_arch()], "tune_backward", jobs, quiet=True)
 
 
@@ -75,13 +76,18 @@ def main(argv=None) -> int:
     ap.add_argument("--det", action="store_true", help="also time deterministic=True")
     ap.add_argument("--fwd", action="store_true", help="also time omnicupy's forward (for the ratio)")
     ap.add_argument("--precompile", type=int, default=0, help="jobs for a parallel precompile first (0: none)")
+    ap.add_argument("--family", choices=("sync", "wgmma"), default="sync",
+                    help="backward family (sets OMNICUPY_BWD; tiles are then WGMMA_BACKWARD_TILES candidates)")
     args = ap.parse_args(argv)
+    os.environ["OMNICUPY_BWD"] = args.family
+    table = tiles.WGMMA_BACKWARD_TILES if args.family == "wgmma" else tiles.BACKWARD_TILES
     head_dims = [int(h) for h in args.head_dims.split(",")]
     dtypes = args.dtypes.split(",")
     given = [parse_tile(t) for t in args.tiles.split(",") if t]
-    candidates = {hd: [t for t in given if t.fits(hd)] or [tiles.BACKWARD_TILES[hd]] for hd in head_dims}
+    fits = (lambda t, hd: wgmma_fits(t, hd)) if args.family == "wgmma" else (lambda t, hd: t.fits(hd))
+    candidates = {hd: [t for t in given if fits(t, hd)] or [table[hd]] for hd in head_dims}
     if args.precompile:
-        precompile(head_dims, dtypes, candidates, args.precompile)
+        precompile(head_dims, dtypes, candidates, args.precompile, args.family)
     gpu = _systems.Gpu(want_torch=False)
     bench = _systems.Bench(gpu, warmup=3, rep=10, check=True, mask_repeats=0, cache_label="", log=lambda m: None)
     n = args.n
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
                     ms = time_ms(lambda: omnicupy.attention(q, k, v, bm))
                     print(f"{label}  forward {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
                 for tile in candidates[hd]:
-                    with tiles_override(hd, tile):
+                    with tiles_override(hd, tile, args.family):
                         for det in ([False, True] if args.det else [False]):
                             def run():
                                 return omnicupy.attention_backward(dout, q, k, v, out, lse, bm, deterministic=det)
@@ -121,18 +127,33 @@ def main(argv=None) -> int:
     return 0
 
 
-class tiles_override:
-    """Temporarily make ``tile`` the backward tile of ``head_dim`` (both tables)."""
+def wgmma_fits(tile: tiles.BwdTile, head_dim: int) -> bool:
+    """Whether the wgmma backward has a kernel for ``tile`` at ``head_dim`` (Variant's rules)."""
+    from omnicupy.errors import VariantError
 
-    def __init__(self, head_dim: int, tile: tiles.BwdTile) -> None:
+    try:
+        tiles.backward_variant(tile, head_dim, "fp16", False, False, family="wgmma")
+    except VariantError:
+        return False
+    return True
+
+
+class tiles_override:
+    """Temporarily make ``tile`` the backward tile of ``head_dim`` (both mma.sync tables, or the wgmma one)."""
+
+    def __init__(self, head_dim: int, tile: tiles.BwdTile, family: str = "sync") -> None:
         self.head_dim, self.tile = head_dim, tile
+        self.tables = (tiles.WGMMA_BACKWARD_TILES,) if family == "wgmma" else (tiles.BACKWARD_TILES,
+                                                                             tiles.BACKWARD_FEATURE_TILES)
 
     def __enter__(self):
-        self.saved = (tiles.BACKWARD_TILES[self.head_dim], tiles.BACKWARD_FEATURE_TILES[self.head_dim])
-        tiles.BACKWARD_TILES[self.head_dim] = tiles.BACKWARD_FEATURE_TILES[self.head_dim] = self.tile
+        self.saved = [table[self.head_dim] for table in self.tables]
+        for table in self.tables:
+            table[self.head_dim] = self.tile
 
     def __exit__(self, *exc):
-        tiles.BACKWARD_TILES[self.head_dim], tiles.BACKWARD_FEATURE_TILES[self.head_dim] = self.saved
+        for table, tile in zip(self.tables, self.saved):
+            table[self.head_dim] = tile
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  python3 tests/sanitize_backward.py [--head-dims 64] [--dtypes fp16]
     compute-sanitizer --tool racecheck python3 tests/sanitize_backward.py
+    ... tests/sanitize_backward.py --family wgmma --head-dims 64,128   (the wgmma backward, sm_90)
 
 Each variant gets a mask with exactly its features (plain: full; causal: causal; partial: random
 full/partial blocks with empty rows; both: a random mix) at odd lengths with GQA, so tails, every
@@ -12,6 +13,7 @@ CuPy's memory pool is switched off, so that every buffer is its own allocation f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -45,7 +47,9 @@ def run(label, rng, q, k, v, bm, dense, dtype, **kw) -> int:
     want = reference.attention_backward(dout, q, k, v, dense, **ref_kw)
     errs = [reference.relative_error(g.get(), w) for g, w in zip(got, want)]
     ok = max(errs) <= TOLERANCE[dtype]
-    print(f"{label}: errors dq {errs[0]:.1e} dk {errs[1]:.1e} dv {errs[2]:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+    plan_kw = {n: kw[n] for n in ("bias", "score_mod", "causal") if n in kw}
+    ran = omnicupy.ops.backward.plan(q, k, v, bm, **plan_kw).kernel  # the kernel the call selected
+    print(f"{label} [{ran}]: errors dq {errs[0]:.1e} dk {errs[1]:.1e} dv {errs[2]:.1e} {'ok' if ok else 'WRONG'}", flush=True)
     return 0 if ok else 1
 
 
@@ -58,12 +62,16 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="32,64,96,128,256")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--n", type=int, default=261)
+    ap.add_argument("--family", choices=("sync", "wgmma"), default="sync",
+                    help="backward family to run (sets OMNICUPY_BWD; wgmma needs sm_90)")
     args = ap.parse_args(argv)
+    os.environ["OMNICUPY_BWD"] = args.family
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
     rng = np.random.default_rng(0)
     failures = 0
     n = args.n
-    for variant in tiles.shipped_backward_variants(dtypes=tuple(args.dtypes.split(",")), head_dims=head_dims):
+    for variant in tiles.shipped_backward_variants(dtypes=tuple(args.dtypes.split(",")), head_dims=head_dims,
+                                                   families=(args.family,)):
         bm, dense = mask_with((variant.causal, variant.partial), rng, n)
         if (bm.features.causal, bm.features.partial) != (variant.causal, variant.partial):
             bm, dense = mask_with((variant.causal, variant.partial), rng, n)  # resample a degenerate draw

@@ -198,7 +198,8 @@ def compile_cache(tmp_path_factory):
     return DiskCache(tmp_path_factory.mktemp("bwd-kernel-cache"))
 
 
-BUILDS = [(v, arch) for v in SHIPPED for arch in ("sm_80", "sm_90")] + [(v, "sm_90") for v in FEATURES]
+BUILDS = [(v, arch) for v in SHIPPED for arch in ("sm_80", "sm_90") if v.family == "sync" or arch == "sm_90"] + [
+    (v, "sm_90") for v in FEATURES]
 
 
 @pytest.mark.parametrize("variant,arch", BUILDS, ids=lambda x: getattr(x, "name", x))

@@ -117,11 +117,21 @@ def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block
                                             bm.features.partial, bias=bias, mask_expr=mask_expr,
                                             score_expr=score_expr, score_grad=score_grad, arch=arch)
     tile_dim = variant.head_dim  # the tile's head dim: padded columns are computed, never stored
-    passes = tile_dim // min(tile_dim, 128)
+    passes = tile_dim // min(tile_dim, 128) if variant.family == "sync" else 1
+    if variant.family == "wgmma":
+        reason = (f"backward wgmma ({'OMNICUPY_BWD=wgmma' if env.backward_family() == 'wgmma' else 'WGMMA_BWD_AUTO_HEAD_DIMS'}"
+                  f" on sm_90): kv tiles of {variant.bc} rows, {variant.bc // 64} consumer warpgroup(s), walking q "
+                  f"tiles of {variant.br}")
+    else:
+        wanted = tiles.backward_family(head_dim, arch)
+        why = ("no wgmma backward tile for this head dim, arch and these block sizes (wgmma: sm_90, head_dim 64/128, "
+               "q and kv blocks multiples of 64)" if wanted == "wgmma" else
+               "OMNICUPY_BWD=sync" if env.backward_family() == "sync" else "the default (OMNICUPY_BWD=auto)")
+        reason = (f"backward mma.sync: kv tiles of {variant.bc} rows walking q tiles of {variant.br} "
+                  f"(BACKWARD_TILES): {why}")
     return Plan(variant=variant, grid=(cdiv(bm.kv_len, variant.bc) * passes, kv_heads, batch),
                 block=(variant.threads, 1, 1), smem_bytes=variant.smem_bytes, q_tile_order=None, arch=arch,
-                reason=f"backward mma.sync: kv tiles of {variant.bc} rows walking q tiles of {variant.br} "
-                       f"(BACKWARD_TILES; wgmma backward not built yet)")
+                reason=reason)
 
 
 __all__ = ["Plan", "plan_forward", "plan_backward", "MAX_GRID_YZ"]

@@ -225,7 +225,7 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
 _TABLES = {"sync": TUNED, "wgmma": WGMMA_TUNED, "tma": TMA_TUNED}
 
 
-# ---------------------------------------------------------------- backward (mma.sync)
+# ---------------------------------------------------------------- backward (mma.sync and wgmma)
 @dataclass(frozen=True)
 class BwdTile:
     """A backward tile: ``br`` q rows per walked q tile, ``bc`` kv rows per CTA split among ``warps``
@@ -255,29 +255,67 @@ BACKWARD_TILES: dict[int, BwdTile] = {
 }
 #: With a bias or score modifier (more registers per score: 32-row q tiles).
 BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
-    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 64, 4), 128: BwdTile(32, 128, 8),
+    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 128, 8), 128: BwdTile(32, 128, 8),
     256: BwdTile(32, 64, 4),
 }
 #: For block sizes the tuned tile does not divide, or shared memory it does not fit; most preferred first.
 BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4), BwdTile(64, 32, 2), BwdTile(32, 32, 2),
                       BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1), BwdTile(16, 32, 2, stages=1))
 
+#: The wgmma backward (sm_90a, kernels/bwd_wgmma.cuh): head_dim -> tile. One consumer warpgroup
+#: owning 64 kv rows, q tiles of 64 rows (FlashAttention-3's structure, first version); untimed.
+#: BwdTile(64, 128, 8) (two consumer warpgroups, dQ columns split between them) builds at D = 128.
+WGMMA_BACKWARD_TILES: dict[int, BwdTile] = {64: BwdTile(64, 64, 4), 128: BwdTile(64, 64, 4)}
+#: Head dims for which OMNICUPY_BWD=auto picks the wgmma backward on sm_90: the lead's decision
+#: after GPU measurements (tools/dev/bw.sh times both families); empty until then.
+WGMMA_BWD_AUTO_HEAD_DIMS: frozenset[int] = frozenset()
+
 
 def backward_variant(tile: BwdTile, head_dim: int, dtype: str, causal: bool, partial: bool, bias: Optional[str] = None,
                      mask_expr: Optional[tuple] = None, score_expr: Optional[tuple] = None,
-                     score_grad: Optional[str] = None, head_dim_valid: Optional[int] = None) -> Variant:
+                     score_grad: Optional[str] = None, head_dim_valid: Optional[int] = None,
+                     family: str = "sync") -> Variant:
     """``head_dim``: the tile's (BACKWARD_TILES' key); ``head_dim_valid``: the caller's when smaller."""
     return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, tile.stages, causal, partial, bias, mask_expr,
-                   score_expr, operation="backward", score_grad=score_grad, head_dim_valid=head_dim_valid)
+                   score_expr, operation="backward", score_grad=score_grad, head_dim_valid=head_dim_valid,
+                   family=family)
+
+
+def backward_family(head_dim: int, arch: Optional[str]) -> str:
+    """The family the switches ask for: OMNICUPY_BWD (auto, sync, wgmma), with OMNICUPY_MMA=sync
+    forcing mma.sync under auto; auto takes wgmma for WGMMA_BWD_AUTO_HEAD_DIMS on sm_90. A wgmma
+    request is served only where a wgmma kernel can run (select_backward_variant falls back)."""
+    wanted = env.backward_family()
+    if wanted == "auto":
+        hopper = arch is not None and has_wgmma(arch)
+        auto = hopper and head_dim in WGMMA_BWD_AUTO_HEAD_DIMS and env.mma_family() != "sync"
+        return "wgmma" if auto else "sync"
+    return wanted
+
+
+def _wgmma_backward_tile(head_dim: int, q_block_size: int, kv_block_size: int, arch: Optional[str]) -> Optional[BwdTile]:
+    tile = WGMMA_BACKWARD_TILES.get(head_dim)
+    if tile is None or arch is None or not has_wgmma(arch):
+        return None
+    if q_block_size % tile.br or kv_block_size % tile.bc:
+        return None
+    return tile
 
 
 def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_block_size: int, causal: bool,
                             partial: bool, bias: Optional[str] = None, mask_expr: Optional[tuple] = None,
                             score_expr: Optional[tuple] = None, score_grad: Optional[str] = None,
-                            arch: Optional[str] = None) -> Variant:
-    """The backward kernel for a call: the tuned tile if it divides the block sizes (and its shared
-    memory fits ``arch``), else the first fallback that does."""
+                            arch: Optional[str] = None, family: Optional[str] = None) -> Variant:
+    """The backward kernel for a call. ``family`` (default: ``backward_family``) "wgmma": the wgmma
+    tile where it runs (sm_90, its head dims unpadded, block sizes it divides), else mma.sync as
+    below. mma.sync: the tuned tile if it divides the block sizes (and its shared memory fits
+    ``arch``), else the first fallback that does."""
     valid = check_head_dim(head_dim)
+    if (family or backward_family(valid, arch)) == "wgmma":
+        tile = _wgmma_backward_tile(valid, q_block_size, kv_block_size, arch)
+        if tile is not None:
+            return backward_variant(tile, valid, dtype, causal, partial, bias, mask_expr, score_expr, score_grad,
+                                    family="wgmma")
     head_dim = tile_head_dim(valid)
     extras = bias is not None or score_expr is not None
     tuned = (BACKWARD_FEATURE_TILES if extras else BACKWARD_TILES)[head_dim]
@@ -294,8 +332,18 @@ def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_blo
         f"kv blocks of 32)")
 
 
-def shipped_backward_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS) -> list[Variant]:
+def shipped_backward_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS,
+                              families=("sync", "wgmma")) -> list[Variant]:
     """Every tuned backward variant with every mask-feature combination: what CI compiles and the
-    CLI precompiles (mma.sync; builds for sm_80 and sm_90)."""
-    return [backward_variant(BACKWARD_TILES[tile_head_dim(hd)], tile_head_dim(hd), dt, causal, partial, head_dim_valid=hd)
-            for hd in head_dims for dt in dtypes for causal in (False, True) for partial in (False, True)]
+    CLI precompiles (mma.sync builds for sm_80 and sm_90, every head dim on its padded tile; wgmma
+    for sm_90 only, as sm_90a, at its own head dims)."""
+    out = []
+    if "sync" in families:
+        out += [backward_variant(BACKWARD_TILES[tile_head_dim(hd)], tile_head_dim(hd), dt, causal, partial,
+                                 head_dim_valid=hd)
+                for hd in head_dims for dt in dtypes for causal in (False, True) for partial in (False, True)]
+    if "wgmma" in families:
+        out += [backward_variant(WGMMA_BACKWARD_TILES[hd], hd, dt, causal, partial, family="wgmma")
+                for hd in head_dims if hd in WGMMA_BACKWARD_TILES
+                for dt in dtypes for causal in (False, True) for partial in (False, True)]
+    return out

@@ -42,6 +42,7 @@ TEMPLATES = {
     ("forward", "wgmma"): "attention_fwd_sm90.cu.jinja",
     ("forward", "tma"): "attention_fwd_tma.cu.jinja",
     ("backward", "sync"): "attention_bwd.cu.jinja",
+    ("backward", "wgmma"): "attention_bwd_sm90.cu.jinja",
     ("decode", "sync"): "attention_decode.cu.jinja",
     ("combine", "sync"): "attention_decode_combine.cu.jinja",
 }
@@ -62,6 +63,8 @@ DECODE_WARP_ROWS = 16
 DECODE_RING_BYTES = 16
 WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column blocks
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
+#: Head dims of the wgmma backward (kernels/bwd_wgmma.cuh); 256 stays on mma.sync.
+WGMMA_BWD_HEAD_DIMS = (64, 128)
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
 #: tma family: the producer warpgroup's warps (one thread issues the loads), and the shared memory
 #: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
@@ -171,7 +174,9 @@ class Variant:
             raise VariantError("pingpong is a tma option that needs overlap and two consumer warpgroups (br=128)")
         if self.poly_exp < 0 or (self.poly_exp and (self.bc // 8) % self.poly_exp):
             raise VariantError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
-        if self.family == "wgmma":
+        if self.family == "wgmma" and self.operation == "backward":
+            self._check_wgmma_backward()
+        elif self.family == "wgmma":
             if self.head_dim not in WGMMA_HEAD_DIMS:
                 raise VariantError(f"the wgmma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
             if self.br % 64 or self.warps != self.br // 16:
@@ -190,6 +195,18 @@ class Variant:
             if self.bc not in WGMMA_BC or self.stages != 2:
                 raise VariantError(f"tma: bc must be one of {WGMMA_BC} and stages 2, got bc={self.bc}, "
                                    f"stages={self.stages}")
+
+    def _check_wgmma_backward(self) -> None:
+        """wgmma backward (kernels/bwd_wgmma.cuh): q tiles of 64 rows (one m64 wgmma for dQ), one
+        consumer warpgroup (4 warps) per 64 kv rows, double-buffered Q/dO, head dims whose dQ
+        columns split into whole 64-column swizzle blocks per warpgroup."""
+        groups = self.bc // 64
+        if (self.head_dim not in WGMMA_BWD_HEAD_DIMS or self.br != 64 or self.bc not in (64, 128)
+                or self.warps != 4 * groups or self.stages != 2 or (self.head_dim // groups) % 64):
+            raise VariantError(f"wgmma backward: head_dim in {WGMMA_BWD_HEAD_DIMS}, br=64, bc 64 or 128 with 4 warps "
+                               f"per 64 kv rows, stages=2, and head_dim / (bc / 64) a multiple of 64; got "
+                               f"head_dim={self.head_dim} br={self.br} bc={self.bc} warps={self.warps} "
+                               f"stages={self.stages}")
 
     def _check_decode(self) -> None:
         """decode: br query rows per m tile (16/32/64), 32-row kv tiles per warp, a 2-4 deep ring;
@@ -266,11 +283,16 @@ class Variant:
         to align the tiles. tma: the same plus the ring's mbarriers.
 
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
-        Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows)."""
+        Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows);
+        backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack."""
         if self.family == "tma":
             base = SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
             staging = self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2
             return base + staging if self.persistent else base
+        if self.operation == "backward" and self.family == "wgmma":
+            # kernels/bwd_wgmma.cuh smem_bytes(): swizzled K, V, Q/dO stages; dSᵀ padded; LSE, delta
+            return (SWIZZLE_ATOM_BYTES + (2 * self.bc + 2 * self.stages * self.br) * self.head_dim * 2
+                    + self.bc * (self.br + SMEM_PAD_ELEMS) * 2 + 2 * self.stages * self.br * 4)
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2

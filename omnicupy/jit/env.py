@@ -11,6 +11,7 @@ info`` prints it). A bad value raises ``ArgumentError`` naming the variable when
 | OMNICUPY_LINEINFO | 0 | compile with -lineinfo (for ncu / compute-sanitizer source lines) |
 | OMNICUPY_VERBOSE | 0 | log compiles, cache hits and cache problems (logger ``omnicupy`` at DEBUG, to stderr) |
 | OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma, tma (sm_90: TMA producer + wgmma consumers) |
+| OMNICUPY_BWD | auto | backward kernel family: auto (dispatch/tiles.py WGMMA_BWD_AUTO_HEAD_DIMS on sm_90, else mma.sync; OMNICUPY_MMA=sync forces mma.sync), sync, wgmma (sm_90, where a wgmma backward tile fits; mma.sync elsewhere) |
 | OMNICUPY_SCHEDULE | lpt | q tile launch order: lpt (heaviest first, from the block mask), natural (last tile first) |
 """
 from __future__ import annotations
@@ -93,6 +94,13 @@ def mma_family() -> str:
     return _choice("OMNICUPY_MMA", MMA_CHOICES)
 
 
+BWD_CHOICES = ("auto", "sync", "wgmma")
+
+
+def backward_family() -> str:
+    return _choice("OMNICUPY_BWD", BWD_CHOICES)
+
+
 SCHEDULE_CHOICES = ("lpt", "natural")
 
 
@@ -112,6 +120,7 @@ VARIABLES: dict[str, Callable[[], object]] = {
     "OMNICUPY_LINEINFO": lineinfo,
     "OMNICUPY_VERBOSE": verbose,
     "OMNICUPY_MMA": mma_family,
+    "OMNICUPY_BWD": backward_family,
     "OMNICUPY_SCHEDULE": schedule,
 }
 

@@ -2,7 +2,8 @@
 
 Checks the call with the forward's checks (ops/inputs.py, ``resolve_mask``), asks dispatch for the
 backward Plan, builds the transposed block index (ops/backward_index.py, cached on the mask) and
-launches three kernels of one compiled module on the current CuPy stream (templates/attention_bwd.cu.jinja):
+launches three kernels of one compiled module on the current CuPy stream (templates/attention_bwd.cu.jinja
+on mma.sync; attention_bwd_sm90.cu.jinja on wgmma, sm_90 with OMNICUPY_BWD=wgmma: same entry points):
 
     _pre   delta = rowsum(dO O), LSE -> log2 units, zero the fp32 dQ accumulator
     main   one CTA per kv tile: dK, dV in registers, dQ by fp32 atomics (ordered if deterministic)

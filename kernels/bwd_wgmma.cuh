@@ -1,0 +1,425 @@
+// The backward pass's main kernel on Hopper's warpgroup MMA (sm_90a): the FlashAttention-2
+// decomposition of kernels/bwd_kv_tile.cuh, its products on wgmma (FlashAttention-3's structure).
+//
+// One CTA owns kBc kv rows (one kv tile) of one (batch, kv head), 64 of them per consumer
+// warpgroup, and walks every q tile of kBr = 64 rows that attends to it, for every query head of
+// its GQA group, through the transposed block index (next_q_tile, shared with the mma.sync
+// kernel). Per q tile:
+//
+//   Sᵀ  = K Qᵀ        wgmma ss: K (this warpgroup's 64 rows) and Q, both K-major in smem
+//   dPᵀ = V dOᵀ       wgmma ss, issued behind Sᵀ
+//   Pᵀ  = exp2(Sᵀ scale_log2 - lse_log2) after scale/bias/score modifier and the mask
+//   dV += Pᵀ dO       wgmma rs: Pᵀ packed in registers as the A operand, dO N-major in smem
+//   dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod'
+//   dK += dSᵀ Q       wgmma rs: dSᵀ in registers, Q N-major
+//   dQ += dS K        dSᵀ through padded shared memory (ldmatrix.trans gives dS's A fragments),
+//                     wgmma rs with K N-major; fp32 reductions into the workspace, in the fixed
+//                     kv order of the mma.sync kernel when deterministic
+//
+// Every tile the tensor cores read (K, V, Q, dO) sits in the 128-byte-swizzled layout of
+// kernels/wgmma.cuh, which serves as K-major (Sᵀ, dPᵀ: contraction over the head dim) and as
+// N-major (dV, dK, dQ: contraction over rows) operand alike, exactly as the forward reads K and V.
+// The accumulators come back in the m16n8 layout (rows: kv positions of this warp, columns: q
+// positions), the layout of the mma.sync kernel, so the per-score code is the same.
+//
+// dK and dV stay in registers across the whole walk. With two consumer warpgroups (kBc = 128) each
+// computes dQ for half of the head dim's columns over all kBc kv rows.
+//
+// Plain CUDA, templated on the configuration C (kHeadDim, kBr, kBc, kWarps, kStages, kHasCausal,
+// kHasPartial, kFuseMask, kTransformScores, kHasScoreGrad, T), the per-score functions F and the
+// parameter struct P, as kernels/bwd_kv_tile.cuh; the including template declares BlockType first.
+#pragma once
+#include "bwd_kv_tile.cuh"  // QTile, next_q_tile, pack_a, zero, red_add2, the dQ turn semaphore
+#include "wgmma.cuh"
+
+namespace omni {
+namespace bwd_wgmma {
+
+using bwd::QTile;
+
+template <class C>
+struct Shape {
+  static constexpr int kThreads = C::kWarps * 32;
+  static constexpr int kWarpgroups = C::kBc / 64;          // each owns 64 kv rows
+  static constexpr int kNT = C::kBr / 8;                   // n8 tiles of Sᵀ / dPᵀ (q columns)
+  static constexpr int kDTiles = C::kHeadDim / 8;          // n8 tiles of dK / dV
+  static constexpr int kKSteps = C::kHeadDim / 16;         // k16 steps of Sᵀ, dPᵀ (head dim)
+  static constexpr int kQSteps = C::kBr / 16;              // k16 steps of dV, dK (q rows)
+  static constexpr int kKvSteps = C::kBc / 16;             // k16 steps of dQ (kv rows)
+  static constexpr int kChunks = C::kHeadDim / 8;          // 16-byte chunks per row
+  static constexpr int kKvBytes = C::kBc * C::kHeadDim * 2;  // one K or V tile
+  static constexpr int kQBytes = C::kBr * C::kHeadDim * 2;   // one Q or dO tile
+  static constexpr int kLdS = C::kBr + 8;                  // dSᵀ row stride: +16 bytes, conflict-free ldmatrix
+  static constexpr int kDqCols = C::kHeadDim / kWarpgroups;  // dQ columns per warpgroup
+  static constexpr int kDqN = kDqCols < 64 ? kDqCols : 64;   // columns per dQ wgmma (one swizzle column block)
+  // dPᵀ issued right behind Sᵀ, its accumulators in flight while P is computed; per-score
+  // transforms at D = 128 need those registers (a bias variant spilled), so they issue it after P.
+  static constexpr bool kOverlapDp = !(C::kTransformScores && C::kHeadDim > 64);
+
+  static_assert(C::kBr == 64, "dQ = dS K: one m64 wgmma covers the q tile");
+  static_assert(C::kBc % 64 == 0 && C::kWarps == C::kBc / 16, "one consumer warpgroup per 64 kv rows");
+  static_assert(C::kHeadDim % wgmma::kBlockCols == 0, "the 128-byte swizzle needs the head dim in 64-column blocks");
+  static_assert(kDqCols % 64 == 0, "each warpgroup's dQ columns are whole swizzle column blocks");
+  static_assert(C::kStages == 2, "Q and dO are double-buffered");
+  static_assert(kThreads >= C::kBr / 2, "one LSE/delta chunk per thread");
+};
+
+// Shared memory of a variant (dispatch/variant.py Variant.smem_bytes mirrors it): one swizzle atom of
+// alignment slack, K, V, kStages Q and dO tiles, dSᵀ (padded rows), then LSE and delta per stage.
+template <class C>
+struct Smem {
+  using S = Shape<C>;
+  static constexpr int kBytes = wgmma::kAtomBytes + 2 * S::kKvBytes + 2 * C::kStages * S::kQBytes +
+                                C::kBc * S::kLdS * 2 + 2 * C::kStages * C::kBr * 4;
+};
+
+// ---------------------------------------------------------------- global -> shared, swizzled
+// kRows rows of the head dim from sequence position row0 into the swizzled layout at shared
+// address `dst`; rows at or past `len` are zero-filled. Thread t copies chunk t % kChunks of rows
+// t / kChunks + i * kRowStep (consecutive threads read consecutive chunks: coalesced). kRowStep
+// is a multiple of the swizzle's 8-row period, so a thread's chunk keeps its swizzled column in
+// every pass: one shared offset per thread, the passes immediate offsets (as the forward's copies).
+template <int kRows, int kChunks, int kThreads>
+__device__ __forceinline__ void load_tile_async(u32 dst, const u16* src, i64 row_stride, int row0, int len) {
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "whole swizzle atoms per pass");
+  const int r = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const u32 to = dst + wgmma::chunk_offset(kRows, r, ch);
+  const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const bool valid = row0 + r + i * kRowStep < len;
+    cp_async_16(to + i * kRowStep * wgmma::kSwizzleBytes, valid ? from + i * kRowStep * row_stride : src, valid);
+  }
+}
+
+// ---------------------------------------------------------------- tile products
+// acc = A Bᵀ over the head dim, both K-major swizzled tiles: A of kARows rows (this warpgroup's 64
+// start at a_desc), B of kN rows. Asynchronous: the caller fences, commits, waits and pins.
+template <int kN, int kKSteps, int kARows, typename T>
+__device__ __forceinline__ void issue_rows_rows(float (&acc)[kN / 8][4], u64 a_desc, u64 b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    const u32 column = kk * 16 / wgmma::kBlockCols, step = (kk * 16 % wgmma::kBlockCols) / 16;
+    const u64 a = wgmma::advance(a_desc, column * kARows * wgmma::kSwizzleBytes + step * 32);
+    const u64 b = wgmma::advance(b_desc, column * kN * wgmma::kSwizzleBytes + step * 32);
+    if (kk == 0) {
+      wgmma::Op<kN, T>::ss_init(acc, a, b);
+    } else {
+      wgmma::Op<kN, T>::ss(acc, a, b);
+    }
+  }
+}
+
+// acc += A B: A in registers (m16n8k16 A fragments of this warp's 16 rows, kKSteps of them), B an
+// N-major swizzled tile whose k16 step kk starts 16 rows (two swizzle atoms) further on.
+template <int kN, int kKSteps, typename T>
+__device__ __forceinline__ void issue_regs_rows(float (&acc)[kN / 8][4], const u32 (&a)[kKSteps][4], u64 b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) wgmma::Op<kN, T>::rs(acc, a[kk], wgmma::advance(b_desc, kk * 16 * wgmma::kSwizzleBytes));
+}
+
+// wgmma reads its register A operand asynchronously: keep the fragments alive until the wait.
+template <int kSteps>
+__device__ __forceinline__ void hold(const u32 (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" ::"r"(a[kk][i]) : "memory");
+}
+
+// ================================================================ the kernel body
+template <class C, class F, class P>
+__device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
+  using S = Shape<C>;
+  using T = typename C::T;
+  constexpr int kBr = C::kBr, kBc = C::kBc, kLdS = S::kLdS, kNT = S::kNT;
+
+  // Swizzle atoms are address-based: the tiles start on a 1024-byte boundary (one atom of slack).
+  const u32 smem_raw_addr = smem_u32(smem_raw);
+  const u32 sK = (smem_raw_addr + wgmma::kAtomBytes - 1) & ~static_cast<u32>(wgmma::kAtomBytes - 1);
+  const u32 sV = sK + S::kKvBytes;
+  const u32 sQ = sV + S::kKvBytes;                       // [kStages] Q tiles
+  const u32 sdO = sQ + C::kStages * S::kQBytes;          // [kStages] dO tiles
+  const u32 sdS_addr = sdO + C::kStages * S::kQBytes;    // [kBc][kLdS] dSᵀ of the current q tile
+  u16* sdS = reinterpret_cast<u16*>(smem_raw + (sdS_addr - smem_raw_addr));
+  float* sLse = reinterpret_cast<float*>(sdS + kBc * kLdS);  // [kStages][kBr] LSE, log2 units
+  float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // Through a shuffle, so that the compiler knows it is warp-uniform (descriptors in uniform registers).
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const bool deterministic = p.dq_semaphore != nullptr;
+  // Deterministic dQ: the last kv tile is launched first (bwd_kv_tile.cuh says why).
+  const int kv_tile = deterministic ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
+                                    : static_cast<int>(blockIdx.x);
+  const int hk = blockIdx.y, batch = blockIdx.z;
+  const int kv0 = kv_tile * kBc;
+  const int group = p.kv_group, q_len = p.q_len, kv_len = p.kv_len;
+  const int warp_row0 = warp * 16;  // this warp's first kv row within the tile (wgmma: 16 per warp)
+
+  // ---- K and V: loaded once ----
+  load_tile_async<kBc, S::kChunks, S::kThreads>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len);
+  load_tile_async<kBc, S::kChunks, S::kThreads>(sV, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, kv_len);
+  cp_async_commit();
+
+  // Q, dO, LSE and delta of one q tile into buffer `buf`.
+  const auto load_q_tile = [&](const QTile& t, int buf) {
+    const int head = hk * group + t.g;
+    load_tile_async<kBr, S::kChunks, S::kThreads>(sQ + buf * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh, p.q_sn,
+                                                  t.q0, q_len);
+    load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
+                                                  p.do_sn, t.q0, q_len);
+    // The row vectors are padded to whole q tiles: no bounds to check.
+    const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + t.q0;
+    if (tid < kBr / 4) {
+      cp_async_16(smem_u32(sLse + buf * kBr + tid * 4), p.lse_log2 + row + tid * 4, true);
+    } else if (tid < kBr / 2) {
+      const int c = tid - kBr / 4;
+      cp_async_16(smem_u32(sDelta + buf * kBr + c * 4), p.delta + row + c * 4, true);
+    }
+    cp_async_commit();
+  };
+
+  // Descriptors, built once; stages and k-steps add compile-time offsets to the start address.
+  //   K, V as A of Sᵀ / dPᵀ (K-major): this warpgroup's 64 rows.
+  //   Q, dO as B of Sᵀ / dPᵀ (K-major) and as B of dK / dV (N-major: k = q row, n = head dim column).
+  //   K as B of dQ (N-major: k = kv row).
+  // V, dO: a compile-time offset from K, Q (one add each, which ptxas can redo instead of holding).
+  const u64 k_a = wgmma::descriptor(sK + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
+  const u64 v_a = wgmma::advance(k_a, S::kKvBytes);
+  const u64 q_kmaj0 = wgmma::descriptor(sQ, 16, wgmma::kAtomBytes);
+  const u64 do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
+  const u64 q_nmaj0 = wgmma::descriptor(sQ, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const u64 do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
+  const u64 k_nmaj = wgmma::descriptor(sK, kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  // dS's A fragments from dSᵀ [kv][q] (ldmatrix.trans): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2.
+  const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ
+  const u32 ds_a = smem_u32(sdS + ((lane / 16) * 8 + lane % 8) * kLdS + ((lane / 8) % 2) * 8 + m0);
+
+  float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < S::kDTiles; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_dk[dt][i] = acc_dv[dt][i] = 0.f;
+
+  const int kv_block = kv0 / p.kv_block_size;
+  const int kv_in_block = kv0 - kv_block * p.kv_block_size;  // kv tile offset within its block
+  const bool kv_tail = kv0 + kBc > kv_len;
+
+  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, deterministic);
+  if (cur.g < group) load_q_tile(cur, 0);
+  int buf = 0;
+  while (cur.g < group) {
+    // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
+    // warp is done with the previous q tile: its buffer is free for the prefetch, dSᵀ for rewriting.
+    cp_async_wait<0>();
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
+    if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
+
+    const int head = hk * group + cur.g;
+    const int q0 = cur.q0;
+    const u32 buf_off = buf * S::kQBytes;
+    const float* lse_s = sLse + buf * kBr;
+    const float* delta_s = sDelta + buf * kBr;
+
+    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
+    float acc_s[1][kNT][4], acc_dp[1][kNT][4];
+    const auto issue_dp = [&] {
+      issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
+      wgmma::commit();
+    };
+    wgmma::fence();
+    issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_s[0], k_a, wgmma::advance(q_kmaj0, buf_off));
+    wgmma::commit();
+    if constexpr (S::kOverlapDp) {
+      issue_dp();
+      wgmma::wait<1>();  // Sᵀ only
+    } else {
+      wgmma::wait<0>();
+    }
+    wgmma::pin(acc_s[0]);
+
+    // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (as bwd_kv_tile.cuh) ----
+    const bool causal_cut = C::kHasCausal && cur.type == kCausal && q0 < kv0 + kBc - 1;
+    const bool partial = C::kHasPartial && cur.type == kPartial;
+    const u32* bits = nullptr;
+    int words = 0;
+    if (!C::kFuseMask && partial) {
+      const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
+      const int pidx = __ldg(p.q_partial_index + row * p.t_width + cur.slot);
+      words = p.kv_block_size / 32;
+      bits = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (q0 - cur.q_block * p.q_block_size)) * words;
+    }
+    // Per n8 tile: Pᵀ packed into the A fragments of dV (p_t), and acc_s keeps Pᵀ ∘ score_mod' in
+    // fp32 for dSᵀ (no array of derivatives stays live across the tile).
+    u32 p_t[1][S::kQSteps][4];
+    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
+      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
+      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
+    };
+    if (!C::kTransformScores && !partial && !causal_cut && !kv_tail) {
+      // A tile with nothing to mask or transform: P straight from the raw scores.
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4];
+        const float one[4] = {1.f, 1.f, 1.f, 1.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          pf[i] = exp2_approx(fmaf(acc_s[0][nt][i], p.scale_log2, -lse_s[nt * 8 + (lane % 4) * 2 + (i % 2)]));
+        finish(nt, pf, one);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4], g[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // j: column 2(l%4) + j; i = j (row l/4) and j + 2 (row l/4 + 8)
+          const int q_local = nt * 8 + (lane % 4) * 2 + j;
+          const int q = q0 + q_local;
+          const float lse2 = lse_s[q_local];
+          u32 word = 0;
+          // The warp's 16 kv rows start 16-aligned within the block: one word holds them.
+          const int kv_bit0 = kv_in_block + warp_row0;
+          if (!C::kFuseMask && partial) word = __ldg(bits + q_local * words + kv_bit0 / 32);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int i = j + 2 * half;
+            const int kv = kv0 + warp_row0 + lane / 4 + half * 8;
+            float s = acc_s[0][nt][i];
+            g[i] = 0.f;
+            if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, g[i]);
+            bool ok = !kv_tail || kv < kv_len;
+            if (partial) {
+              if (C::kFuseMask) {
+                ok = ok && q < q_len && F::mask(batch, head, q, kv, p);
+              } else {
+                ok = ok && ((word >> (kv_bit0 % 32 + lane / 4 + half * 8)) & 1u) != 0;
+              }
+            } else if (causal_cut) {
+              ok = ok && q >= kv;
+            }
+            // Masked scores and rows with no allowed key (lse_log2 = +inf) give exactly 0.
+            pf[i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
+          }
+        }
+        finish(nt, pf, g);
+      }
+    }
+
+    // ---- dV += Pᵀ dO (runs while dSᵀ is computed) ----
+    wgmma::fence();
+    if constexpr (!S::kOverlapDp) issue_dp();
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(do_nmaj0, buf_off));
+    wgmma::commit();
+
+    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
+    wgmma::wait<1>();  // dPᵀ (dV may still run)
+    wgmma::pin(acc_dp[0]);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float d = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
+        acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);  // acc_s: Pᵀ ∘ score_mod'
+      }
+    u32 ds_t[1][S::kQSteps][4];
+    bwd::pack_a<1, kNT, T>(ds_t, acc_dp);
+
+    // ---- dK += dSᵀ Q; dSᵀ to shared memory for dQ ----
+    wgmma::fence();
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
+    wgmma::commit();
+#pragma unroll
+    for (int kk = 0; kk < S::kQSteps; ++kk) {
+      u16* row0 = sdS + (warp_row0 + lane / 4) * kLdS + kk * 16 + (lane % 4) * 2;
+      *reinterpret_cast<u32*>(row0) = ds_t[0][kk][0];
+      *reinterpret_cast<u32*>(row0 + 8 * kLdS) = ds_t[0][kk][1];
+      *reinterpret_cast<u32*>(row0 + 8) = ds_t[0][kk][2];
+      *reinterpret_cast<u32*>(row0 + 8 * kLdS + 8) = ds_t[0][kk][3];
+    }
+    __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp
+    // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
+    // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).
+    wgmma::wait<0>();
+    hold(p_t[0]);
+    hold(ds_t[0]);
+    wgmma::pin(acc_dk);
+    wgmma::pin(acc_dv);
+
+    // ---- dQ += dS K (fp32 reductions; in deterministic mode in the fixed kv tile order) ----
+    {
+      const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
+      int* sem = nullptr;
+      int turn = 0;
+      if (deterministic) {
+        const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
+        turn = __ldg(p.q_rank + row * p.t_width + cur.slot) - kv_in_block / kBc;
+        sem = p.dq_semaphore + (bh * (p.q_len_pad / kBr) + q0 / kBr);
+      }
+      u32 a_ds[S::kKvSteps][4];
+#pragma unroll
+      for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + kk * 16 * kLdS * 2);
+#pragma unroll
+      for (int chunk = 0; chunk < S::kDqCols; chunk += S::kDqN) {
+        const int col = warpgroup * S::kDqCols + chunk;  // first dQ column of this wgmma
+        float acc_dq[S::kDqN / 8][4];
+#pragma unroll
+        for (int dt = 0; dt < S::kDqN / 8; ++dt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
+        wgmma::fence();
+        issue_regs_rows<S::kDqN, S::kKvSteps, T>(
+            acc_dq, a_ds, wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::pin(acc_dq);
+        hold(a_ds);
+        if (deterministic && chunk == 0) {  // wait for the kv tiles before this one
+          if (tid == 0) {
+            while (bwd::load_acquire(sem) != turn) {
+            }
+          }
+          __syncthreads();
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int q = q0 + m0 + lane / 4 + half * 8;
+          if (q >= q_len) continue;
+          float* row = p.dq_accum + (bh * q_len + q) * C::kHeadDim + col + (lane % 4) * 2;
+#pragma unroll
+          for (int dt = 0; dt < S::kDqN / 8; ++dt) bwd::red_add2(row + dt * 8, acc_dq[dt][2 * half], acc_dq[dt][2 * half + 1]);
+        }
+      }
+      if (deterministic) {  // hand the q tile to the next kv tile
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) bwd::store_release(sem, turn + 1);
+      }
+    }
+    cur = nxt;
+    buf ^= 1;
+  }
+  cp_async_wait<0>();  // a kv tile that no q tile sees still has K and V in flight
+
+  // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int kv = kv0 + warp_row0 + lane / 4 + half * 8;
+    if (kv >= kv_len) continue;
+    u16* dk_row = p.dk + batch * p.dk_sb + hk * p.dk_sh + kv * p.dk_sn + (lane % 4) * 2;
+    u16* dv_row = p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + (lane % 4) * 2;
+#pragma unroll
+    for (int dt = 0; dt < S::kDTiles; ++dt) {
+      *reinterpret_cast<u32*>(dk_row + dt * 8) = T::pack(acc_dk[dt][2 * half] * p.scale, acc_dk[dt][2 * half + 1] * p.scale);
+      *reinterpret_cast<u32*>(dv_row + dt * 8) = T::pack(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace bwd_wgmma
+}  // namespace omni
