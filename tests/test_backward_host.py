@@ -209,3 +209,30 @@ def test_backward_variant_compiles(variant, arch, compile_cache):
     source = jit.render.render_source(variant)
     for suffix in ("_pre", "", "_dq"):
         assert "void __launch_bounds__(" in source and f" {variant.name}{suffix}(const __grid_constant__ BwdParams params)" in source
+
+
+def test_steady_state_writes_pointers_in_the_recipes_order(monkeypatch):
+    """The cached backward call hands the recipe its pointers in POINTER_FIELDS' order (q, k, v, o,
+    dout, lse, dq, dk, dv, then the workspace), whatever order the call's views come in."""
+    from types import SimpleNamespace
+
+    from omnicupy.ops import backward, recall
+
+    seen = {}
+
+    class FakeRecipe:
+        workspace = SimpleNamespace(allocate=lambda cp: (None, (0xA0, 0xB0, 0xC0, 0)))
+
+        def launch(self, *pointers):
+            seen["pointers"] = pointers
+
+    monkeypatch.setattr(recall, "recipe_for", lambda mask, key: FakeRecipe())
+    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0)))
+    names = ("dout", "q", "k", "v", "o", "lse", "dq", "dk", "dv")  # _steady_key's order of views
+    views = tuple((0x1000 * (i + 1), (1, 1, 16, 64), (2048, 2048, 128, 2), "float16", 0) for i in range(len(names)))
+    grads = ("dq", "dk", "dv")  # user buffers: their view's pointer is used
+    result = backward._launch_if_known(object(), ("key",), views, grads, cp)
+    assert result == grads
+    by_name = dict(zip(names, (vw[0] for vw in views)))
+    expected = tuple(by_name[n] for n in backward.POINTER_FIELDS[:9]) + (0xA0, 0xB0, 0xC0, 0)
+    assert seen["pointers"] == expected

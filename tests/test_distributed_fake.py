@@ -123,7 +123,7 @@ def test_the_benchmark_runs_on_the_stand_ins(fake_gpu, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_context_parallel as bench
 
-    args = Namespace(n=1024, heads=1, kv_heads=1, head_dim=16, dtype="fp16", seed=SEED, repeats=1)
+    args = Namespace(n=1024, heads=1, kv_heads=1, head_dim=16, dtype="fp16", seed=SEED, repeats=1, strategy=None)
     monkeypatch.setattr(bench, "build_mask", lambda name, n: host_mask(bench.mask_mod(name, n), n))
     fake_gpu()
     world = fd.World(2)

@@ -141,8 +141,11 @@ def test_bad_tma_variant(kwargs, message):
 def test_tma_variant_name_smem_and_arch():
     v = Variant(128, "fp16", 128, 128, 12, 2, True, False, family="tma", overlap=True, pingpong=True)
     assert v.name == "omni_fwd_fp16_hd128_br128_bc128_w12_st2_tmaop_causal" and v.threads == 384
-    # one swizzle atom of slack, Q, two stages of K and V, the mbarriers
-    assert v.smem_bytes == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 128
+    # one swizzle atom of slack, Q, two stages of K and V, the mbarriers; persistent CTAs (the
+    # staging rows fit beside them) add the epilogue's padded staging rows
+    assert v.persistent and v.smem_bytes == 1024 + (128 + 2 * 2 * 128) * 128 * 2 + 128 + 128 * (128 + 8) * 2
+    wide = Variant(256, "fp16", 128, 64, 12, 2, True, False, family="tma")
+    assert not wide.persistent and wide.smem_bytes == 1024 + (128 + 2 * 2 * 64) * 256 * 2 + 128
     assert v.target_arch("sm_90") == "sm_90a" and v.runs_on("sm_90") and not v.runs_on("sm_80")
     with pytest.raises(ValueError, match="only sm_90"):
         v.target_arch("sm_80")

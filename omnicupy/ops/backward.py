@@ -272,7 +272,7 @@ def _launch_if_known(mask: BlockMask, key: tuple, views: tuple, grads: Sequence[
         return None
     dev = views[1][4]
     pointers = []
-    for vw in views[:6]:
+    for vw in (views[1], views[2], views[3], views[4], views[0], views[5]):  # POINTER_FIELDS' order: q k v o dout lse
         if vw[4] != dev or vw[0] % 16:
             return None
         pointers.append(vw[0])
