@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                 failures += report(f"contiguous D{D} {dtype} fused={fused} affine={affine}", got, want, dtype)
                 for ps, layout in ((16, "NHD"), (64, "HND")):
                     kp, vp, table = paged_from_contiguous(rng, k, v, ps, layout, lens)
-                    want_p = reference.paged_attention(q, kp, vp, table, lens, window=100)
+                    want_p = reference.paged_attention(q, kp, vp, table, lens, window=100, layout=layout)
                     got = omnicupy.paged_attention(*(cp.asarray(x) for x in (q, kp, vp, table)), lens_d, window=100,
                                                    layout=layout, num_splits=3, validate=False)
                     failures += report(f"paged ps{ps} {layout} D{D} {dtype} fused={fused} affine={affine}", got, want_p,
