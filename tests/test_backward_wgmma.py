@@ -17,7 +17,11 @@ from omnicupy.jit import compiler, env, render
 
 # (OMNICUPY_BWD, OMNICUPY_MMA, arch, head_dim, q_block, kv_block) -> family
 SELECTION = [
-    pytest.param("auto", "auto", "sm_90", 128, 128, 128, "sync", id="auto-is-sync-until-measured"),
+    pytest.param("auto", "auto", "sm_90", 128, 128, 128, "wgmma", id="auto-hd128-wgmma"),
+    pytest.param("auto", "auto", "sm_90", 64, 128, 128, "wgmma", id="auto-hd64-wgmma"),
+    pytest.param("auto", "auto", "sm_90", 40, 128, 128, "sync", id="auto-padded-hd40-sync"),
+    pytest.param("auto", "auto", "sm_80", 128, 128, 128, "sync", id="auto-ampere-sync"),
+    pytest.param("auto", "sync", "sm_90", 128, 128, 128, "sync", id="auto-under-mma-sync"),
     pytest.param("sync", "auto", "sm_90", 64, 128, 128, "sync", id="sync"),
     pytest.param("wgmma", "auto", "sm_90", 64, 128, 128, "wgmma", id="wgmma-hd64"),
     pytest.param("wgmma", "sync", "sm_90", 128, 64, 64, "wgmma", id="wgmma-beats-mma-sync"),

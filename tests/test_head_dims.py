@@ -80,10 +80,13 @@ def test_forward_selection(monkeypatch, hd, sync_tile, hopper_tile, env_family):
 
 @pytest.mark.parametrize("hd,sync_tile,hopper_tile", TILES)
 def test_backward_and_decode_selection(hd, sync_tile, hopper_tile):
-    b = tiles.select_backward_variant(hd, "fp16", 128, 128, True, True, arch="sm_90")
+    b = tiles.select_backward_variant(hd, "fp16", 128, 128, True, True, arch="sm_90", family="sync")
     assert (b.head_dim, b.real_head_dim, b.operation) == (sync_tile, hd, "backward")
     # the tile's table entry, whatever D is padded onto it
     assert (b.br, b.bc, b.warps) == tuple(getattr(tiles.BACKWARD_TILES[sync_tile], f) for f in ("br", "bc", "warps"))
+    # the wgmma backward (the default on sm_90 at its head dims) takes no padded head dim
+    auto = tiles.select_backward_variant(hd, "fp16", 128, 128, True, True, arch="sm_90")
+    assert auto.family == ("wgmma" if hd in tiles.WGMMA_BWD_AUTO_HEAD_DIMS else "sync") and auto.real_head_dim == hd
     d = decode.decode_variant(hd, "fp16", 32, causal=False, partial=False, score_expr=None, arch="sm_90")
     c = decode.combine_variant(hd, "bf16")
     assert (d.head_dim, d.real_head_dim) == (sync_tile, hd) and (c.head_dim, c.real_head_dim) == (sync_tile, hd)

@@ -263,12 +263,13 @@ BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4
                       BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1), BwdTile(16, 32, 2, stages=1))
 
 #: The wgmma backward (sm_90a, kernels/bwd_wgmma.cuh): head_dim -> tile. One consumer warpgroup
-#: owning 64 kv rows, q tiles of 64 rows (FlashAttention-3's structure, first version); untimed.
+#: owning 64 kv rows, q tiles of 64 rows (FlashAttention-3's structure, first version).
 #: BwdTile(64, 128, 8) (two consumer warpgroups, dQ columns split between them) builds at D = 128.
 WGMMA_BACKWARD_TILES: dict[int, BwdTile] = {64: BwdTile(64, 64, 4), 128: BwdTile(64, 64, 4)}
-#: Head dims for which OMNICUPY_BWD=auto picks the wgmma backward on sm_90: the lead's decision
-#: after GPU measurements (tools/dev/bw.sh times both families); empty until then.
-WGMMA_BWD_AUTO_HEAD_DIMS: frozenset[int] = frozenset()
+#: Head dims for which OMNICUPY_BWD=auto picks the wgmma backward on sm_90. Measured on the H200
+#: (BENCHMARKS.md, fp16, B = 2, H = 16, N = 8192, 8 masks): 1.26-1.43x the mma.sync backward at
+#: D = 64 and 1.24-1.34x at D = 128, on every mask.
+WGMMA_BWD_AUTO_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 
 
 def backward_variant(tile: BwdTile, head_dim: int, dtype: str, causal: bool, partial: bool, bias: Optional[str] = None,
