@@ -185,8 +185,14 @@ def test_decode_plan_describes_itself_and_splits_on_request():
     q, k, v = decode_args(B=1, Hq=32, Hkv=8, Nq=1, Nkv=8192, D=128)
     inp = check_qkv(q, k, v)
     p = decode.decode_plan(inp, None, None, None, arch="sm_90", num_sms=132)
-    assert p.num_splits > 1 and p.combine is not None and p.split.grid[0] == 8 * p.num_splits
+    assert p.num_splits > 1 and p.split.grid[0] == 8 * p.num_splits
+    # the splits merged by the last CTA of each unit (FUSED_COMBINE) or by a combine launch
+    assert (p.combine is None) == p.fused == decode.FUSED_COMBINE
     assert "split-KV decode" in p.describe() and p.kernels[0].startswith("omni_decode_fp16_hd128_br16")
+    two = decode.plan_split_kv(head_dim=128, dtype="fp16", batch=1, heads=32, kv_heads=8, q_len=1, longest=8192,
+                               rows=decode.pack_rows(4, 1), rule=decode.Rule(), arch="sm_90", num_sms=132,
+                               fused_combine=False)
+    assert two.num_splits > 1 and two.combine is not None and not two.fused and "combine" in two.describe()
     one = decode.decode_plan(inp, None, None, 1, arch="sm_90")
     assert one.num_splits == 1 and one.combine is None
     win = decode.plan_split_kv(head_dim=128, dtype="fp16", batch=1, heads=32, kv_heads=8, q_len=1,

@@ -53,13 +53,15 @@ COMBINE_WARPS = 4
 #: Bits of the device error word (kernels/decode_split.cuh).
 ERROR_KV_LEN, ERROR_PAGE = 1, 2
 #: Merge the splits in the split kernel's last CTA per (m tile, kv head, batch) (an atomic counter
-#: per unit) instead of a second, combine launch. Off until measured (benchmarks/tune_decode.py
-#: compares both); plan_split_kv(fused_combine=...) overrides it per plan.
-FUSED_COMBINE = False
+#: per unit) instead of a second, combine launch; plan_split_kv(fused_combine=...) overrides it per
+#: plan. On: benchmarks/tune_decode.py on the H200 (fp16, D = 128, Hq 32 / Hkv 8, Nq 1) measured
+#: +11 % / +4 % / +3 % at B = 1 x 8k / 32k / 128k and within 1 % of the two-launch merge elsewhere.
+FUSED_COMBINE = True
 #: With a contiguous cache or page sizes that are multiples of 16, each half (16 rows) of a kv tile
 #: lies in one page: it takes one address and steps rows by the slot stride, instead of one address
 #: per row shuffled from its lane (kernels/decode_split.cuh issue_async_affine; head_dim <= 128).
-#: Off until measured (tune_decode.py).
+#: Off: measured no gain on the contiguous cache and pages of 16 and 64 (tune_decode.py, H200:
+#: within 1 % of per-row addresses on most cells, 4 % slower at B = 8 x 128k).
 AFFINE_ROWS = False
 
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
