@@ -28,8 +28,10 @@
 //      its derivative) and F::mask(b, h, q, kv, p) (a fused mask expression);
 //   P  the parameter struct (dispatch/params.py BACKWARD).
 // The including template declares the BlockType enum (kMasked, kCausal, kFull, kPartial) first.
+// The q-tile walk and everything around the products that the wgmma kernel (bwd_wgmma.cuh) does
+// alike (per-score code, LSE/delta loads, dQ order and reductions, epilogue) is in bwd_common.cuh.
 #pragma once
-#include "mma.cuh"
+#include "bwd_common.cuh"
 
 namespace omni {
 namespace bwd {
@@ -80,58 +82,12 @@ __device__ __forceinline__ void load_rows_async(u16* smem, const u16* gmem, i64 
   }
 }
 
-// ---------------------------------------------------------------- the q tiles of one kv tile
-// Position in the walk: query head g of the GQA group, slot in the transposed row, q tile within
-// the q block. g == kv_group means the walk is over.
-struct QTile {
-  int g;
-  int slot;
-  int tile;
-  int q0;      // first query row
-  int type;    // BlockType
-  int q_block;
-};
-
-// The next q tile at or after (g, slot, tile). CAUSAL tiles wholly above the diagonal (every
-// query before the first key of this kv tile) are skipped, except in deterministic mode, where
-// every tile of a listed block takes its turn in the dQ order (its contribution is zero).
-template <class C, class P>
-__device__ __forceinline__ QTile next_q_tile(const P& p, int batch, int hk, int kv0, int g, int slot, int tile,
-                                             bool deterministic) {
-  const int tiles_per_block = p.q_block_size / C::kBr;
-  const int kv_block = kv0 / p.kv_block_size;
-  for (; g < p.kv_group; ++g, slot = 0, tile = 0) {
-    const int head = hk * p.kv_group + g;
-    const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-    const int count = __ldg(p.q_num_blocks + row);
-    const int* types = p.q_types + row * p.t_width;
-    const int* indices = p.q_indices + row * p.t_width;
-    for (; slot < count; ++slot, tile = 0) {
-      const int type = __ldg(types + slot);
-      if (type == kMasked) continue;
-      const int q_block = __ldg(indices + slot);
-      for (; tile < tiles_per_block; ++tile) {
-        const int q0 = q_block * p.q_block_size + tile * C::kBr;
-        if (q0 >= p.q_len) break;  // later tiles of this block start later still
-        if (C::kHasCausal && !deterministic && type == kCausal && q0 + C::kBr - 1 < kv0) continue;
-        return QTile{g, slot, tile, q0, type, q_block};
-      }
-    }
-  }
-  return QTile{p.kv_group, 0, 0, 0, kMasked, 0};
-}
-
 // ---------------------------------------------------------------- tile products
 // acc[mt][nt] = sum_k A[m][k] B[n][k]. A: this warp's rows, B: all kNT * 8 rows, both stored
 // [row][k] in smem with stride kLd (a_addr / b_addr: this lane's ldmatrix row address at 0).
 template <int kMT, int kNT, int kKSteps, int kLd, typename T>
 __device__ __forceinline__ void mma_rows_rows(float (&acc)[kMT][kNT][4], u32 a_addr, u32 b_addr) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+  zero(acc);
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
     u32 a[kMT][4];
@@ -166,53 +122,6 @@ __device__ __forceinline__ void mma_regs_rows(float (&acc)[kMT][kDT][4], const u
         T::mma(acc[mt][dt + 1], a[mt][kk], b[2], b[3]);
       }
     }
-}
-
-// The accumulator layout of two adjacent n8 tiles is the A fragment of one k16 step.
-template <int kMT, int kNT, typename T>
-__device__ __forceinline__ void pack_a(u32 (&a)[kMT][kNT / 2][4], const float (&acc)[kMT][kNT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk) {
-      a[mt][kk][0] = T::pack(acc[mt][2 * kk][0], acc[mt][2 * kk][1]);
-      a[mt][kk][1] = T::pack(acc[mt][2 * kk][2], acc[mt][2 * kk][3]);
-      a[mt][kk][2] = T::pack(acc[mt][2 * kk + 1][0], acc[mt][2 * kk + 1][1]);
-      a[mt][kk][3] = T::pack(acc[mt][2 * kk + 1][2], acc[mt][2 * kk + 1][3]);
-    }
-}
-
-template <int kMT, int kNT>
-__device__ __forceinline__ void zero(float (&acc)[kMT][kNT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-}
-
-// ---------------------------------------------------------------- deterministic dQ order
-__device__ __forceinline__ int load_acquire(const int* ptr) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_release(int* ptr, int v) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
-}
-
-// ---------------------------------------------------------------- dQ accumulation
-// ptr[0] += a, ptr[1] += b in fp32 at L2: one vector reduction on sm_90 (half the atomic
-// instructions), two scalar ones before. ptr is 8-byte aligned (an even column).
-__device__ __forceinline__ void red_add2(float* ptr, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(ptr), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(ptr, a);
-  atomicAdd(ptr + 1, b);
-#endif
 }
 
 // ================================================================ the kernel body
@@ -256,14 +165,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
                                                        p.q_sn, t.q0, q_len);
     load_rows_async<kBr, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sdO + buf * kBr * kLd, p.dout + batch * p.do_sb + head * p.do_sh,
                                                        p.do_sn, t.q0, q_len);
-    // The row vectors are padded to whole q tiles: no bounds to check.
-    const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + t.q0;
-    if (tid < kBr / 4) {
-      cp_async_16(smem_u32(sLse + buf * kBr + tid * 4), p.lse_log2 + row + tid * 4, true);
-    } else if (tid < kBr / 2) {
-      const int c = tid - kBr / 4;
-      cp_async_16(smem_u32(sDelta + buf * kBr + c * 4), p.delta + row + c * 4, true);
-    }
+    load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);
     cp_async_commit();
   };
 
@@ -319,62 +221,21 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     mma_rows_rows<kMT, kNT, S::kKSteps, kLd, T>(acc_s, k_a, q_bn + buf_off);
 
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) ----
-    const bool causal_cut = C::kHasCausal && cur.type == kCausal && q0 < kv0 + kBc - 1;
-    const bool partial = C::kHasPartial && cur.type == kPartial;
-    const u32* bits = nullptr;
-    int words = 0;
-    if (!C::kFuseMask && partial) {
-      const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-      const int pidx = __ldg(p.q_partial_index + row * p.t_width + cur.slot);
-      words = p.kv_block_size / 32;
-      bits = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (q0 - cur.q_block * p.q_block_size)) * words;
-    }
+    const ScoreTile<C> st = score_tile<C>(p, cur, batch, head, kv0, kv_block);
     float grad[kMT][kNT][4];
-    if (!C::kTransformScores && !partial && !causal_cut && !kv_tail) {
-      // A tile with nothing to mask or transform: P straight from the raw scores.
+    if (st.plain(kv_tail)) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            acc_s[mt][nt][i] = exp2_approx(fmaf(acc_s[mt][nt][i], p.scale_log2, -lse_s[nt * 8 + (lane % 4) * 2 + (i % 2)]));
+          plain_probs(acc_s[mt][nt], acc_s[mt][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
     } else {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {  // j: column 2(l%4) + j; i = j (row l/4) and j + 2 (row l/4 + 8)
-            const int q_local = nt * 8 + (lane % 4) * 2 + j;
-            const int q = q0 + q_local;
-            const float lse2 = lse_s[q_local];
-            u32 word = 0;
-            // The 16 kv rows of an m16 tile start 16-aligned within the block: one word holds them.
-            const int kv_bit0 = kv_in_block + warp_row0 + mt * 16;  // bit of the tile's first kv row
-            if (!C::kFuseMask && partial) word = __ldg(bits + q_local * words + kv_bit0 / 32);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int i = j + 2 * half;
-              const int kv_local = warp_row0 + mt * 16 + lane / 4 + half * 8;
-              const int kv = kv0 + kv_local;
-              float s = acc_s[mt][nt][i];
-              grad[mt][nt][i] = 0.f;
-              if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, grad[mt][nt][i]);
-              bool ok = !kv_tail || kv < kv_len;
-              if (partial) {
-                if (C::kFuseMask) {
-                  ok = ok && q < q_len && F::mask(batch, head, q, kv, p);
-                } else {
-                  ok = ok && ((word >> (kv_bit0 % 32 + lane / 4 + half * 8)) & 1u) != 0;
-                }
-              } else if (causal_cut) {
-                ok = ok && q >= kv;
-              }
-              // Masked scores and rows with no allowed key (lse_log2 = +inf) give exactly 0.
-              acc_s[mt][nt][i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
-            }
-          }
+          masked_probs<C, F>(acc_s[mt][nt], grad[mt][nt], acc_s[mt][nt], p, st, kv_tail, batch, head, q0, kv0,
+                             kv_in_block, warp_row0 + mt * 16, lse_s, nt, lane / 4, (lane % 4) * 2);
     }
 
     // ---- dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
@@ -404,14 +265,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       pack_a<kMT, kNT, T>(a_ds, acc_dp);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < S::kQSteps; ++kk) {
-          u16* row0 = sdS + (warp_row0 + mt * 16 + lane / 4) * kLdS + kk * 16 + (lane % 4) * 2;
-          *reinterpret_cast<u32*>(row0) = a_ds[mt][kk][0];
-          *reinterpret_cast<u32*>(row0 + 8 * kLdS) = a_ds[mt][kk][1];
-          *reinterpret_cast<u32*>(row0 + 8) = a_ds[mt][kk][2];
-          *reinterpret_cast<u32*>(row0 + 8 * kLdS + 8) = a_ds[mt][kk][3];
-        }
+        store_ds_rows<kLdS>(sdS, a_ds[mt], warp_row0 + mt * 16 + lane / 4, (lane % 4) * 2);
       mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
     }
     __syncthreads();  // dSᵀ complete
@@ -424,11 +278,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
       int* sem = nullptr;
       int turn = 0;
-      if (deterministic) {
-        const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-        turn = __ldg(p.q_rank + row * p.t_width + cur.slot) - kv_in_block / kBc;
-        sem = p.dq_semaphore + ((bh * (p.q_len_pad / kBr) + q0 / kBr) * S::kPasses + pass);
-      }
+      if (deterministic)
+        sem = dq_semaphore<kBr, kBc, S::kPasses>(p, batch, head, bh, kv_block, kv_in_block, cur, pass, turn);
 #pragma unroll 1
       for (int chunk = 0; chunk < S::kDqCols; chunk += S::kDqChunk) {
         float acc_dq[S::kDqMTiles][S::kDqChunk / 8][4];
@@ -449,30 +300,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
             }
           }
         }
-        if (deterministic && chunk == 0) {  // wait for the kv tiles before this one
-          if (tid == 0) {
-            while (load_acquire(sem) != turn) {
-            }
-          }
-          __syncthreads();
-        }
+        if (deterministic && chunk == 0) wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
 #pragma unroll
         for (int mt = 0; mt < S::kDqMTiles; ++mt)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int q = q0 + m0 + mt * 16 + lane / 4 + half * 8;
-            if (q >= q_len) continue;
-            float* row = p.dq_accum + (bh * q_len + q) * C::kHeadDim + col0 + c0 + chunk + (lane % 4) * 2;
-#pragma unroll
-            for (int dt = 0; dt < S::kDqChunk / 8; ++dt)
-              red_add2(row + dt * 8, acc_dq[mt][dt][2 * half], acc_dq[mt][dt][2 * half + 1]);
-          }
+          add_dq_rows<C::kHeadDim>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk, acc_dq[mt],
+                                   (lane % 4) * 2);
       }
-      if (deterministic) {  // hand the q tile to the next kv tile
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) store_release(sem, turn + 1);
-      }
+      if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }
 
     if (C::kStages == 1) {
@@ -487,21 +321,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int kv = kv0 + warp_row0 + mt * 16 + lane / 4 + half * 8;
-      if (kv >= kv_len) continue;
-      u16* dk_row = p.dk + batch * p.dk_sb + hk * p.dk_sh + kv * p.dk_sn + col0 + (lane % 4) * 2;
-      u16* dv_row = p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + col0 + (lane % 4) * 2;
-#pragma unroll
-      for (int dt = 0; dt < S::kOutTiles; ++dt) {
-        if (C::kHeadDimValid == C::kHeadDim || col0 + dt * 8 < C::kHeadDimValid) {  // not a padding column
-          *reinterpret_cast<u32*>(dk_row + dt * 8) =
-              T::pack(acc_dk[mt][dt][2 * half] * p.scale, acc_dk[mt][dt][2 * half + 1] * p.scale);
-          *reinterpret_cast<u32*>(dv_row + dt * 8) = T::pack(acc_dv[mt][dt][2 * half], acc_dv[mt][dt][2 * half + 1]);
-        }
-      }
-    }
+    store_dk_dv_rows<S::kOutTiles, C::kHeadDim, C::kHeadDimValid, T>(p, batch, hk, kv0 + warp_row0 + mt * 16, col0,
+                                                                      acc_dk[mt], acc_dv[mt], lane / 4, (lane % 4) * 2);
 }
 
 }  // namespace bwd

@@ -3,8 +3,7 @@
 //
 // One CTA owns kBc kv rows (one kv tile) of one (batch, kv head), 64 of them per consumer
 // warpgroup, and walks every q tile of kBr = 64 rows that attends to it, for every query head of
-// its GQA group, through the transposed block index (next_q_tile, shared with the mma.sync
-// kernel). Per q tile:
+// its GQA group, through the transposed block index (next_q_tile, bwd_common.cuh). Per q tile:
 //
 //   Sᵀ  = K Qᵀ        wgmma ss: K (this warpgroup's 64 rows) and Q, both K-major in smem
 //   dPᵀ = V dOᵀ       wgmma ss, issued behind Sᵀ
@@ -20,7 +19,8 @@
 // kernels/wgmma.cuh, which serves as K-major (Sᵀ, dPᵀ: contraction over the head dim) and as
 // N-major (dV, dK, dQ: contraction over rows) operand alike, exactly as the forward reads K and V.
 // The accumulators come back in the m16n8 layout (rows: kv positions of this warp, columns: q
-// positions), the layout of the mma.sync kernel, so the per-score code is the same.
+// positions), the layout of the mma.sync kernel, so the per-score code is the same: it, the
+// LSE/delta loads, the dQ order and reductions and the epilogue are bwd_common.cuh's, shared with it.
 //
 // dK and dV stay in registers across the whole walk. With two consumer warpgroups (kBc = 128) each
 // computes dQ for half of the head dim's columns over all kBc kv rows.
@@ -29,7 +29,7 @@
 // kHasPartial, kFuseMask, kTransformScores, kHasScoreGrad, T), the per-score functions F and the
 // parameter struct P, as kernels/bwd_kv_tile.cuh; the including template declares BlockType first.
 #pragma once
-#include "bwd_kv_tile.cuh"  // QTile, next_q_tile, pack_a, zero, red_add2, the dQ turn semaphore
+#include "bwd_common.cuh"  // the q-tile walk, per-score code, dQ order and reductions, epilogue
 #include "wgmma.cuh"
 
 namespace omni {
@@ -170,14 +170,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
                                                   t.q0, q_len);
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
                                                   p.do_sn, t.q0, q_len);
-    // The row vectors are padded to whole q tiles: no bounds to check.
-    const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + t.q0;
-    if (tid < kBr / 4) {
-      cp_async_16(smem_u32(sLse + buf * kBr + tid * 4), p.lse_log2 + row + tid * 4, true);
-    } else if (tid < kBr / 2) {
-      const int c = tid - kBr / 4;
-      cp_async_16(smem_u32(sDelta + buf * kBr + c * 4), p.delta + row + c * 4, true);
-    }
+    bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);
     cp_async_commit();
   };
 
@@ -242,17 +235,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     }
     wgmma::pin(acc_s[0]);
 
-    // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (as bwd_kv_tile.cuh) ----
-    const bool causal_cut = C::kHasCausal && cur.type == kCausal && q0 < kv0 + kBc - 1;
-    const bool partial = C::kHasPartial && cur.type == kPartial;
-    const u32* bits = nullptr;
-    int words = 0;
-    if (!C::kFuseMask && partial) {
-      const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-      const int pidx = __ldg(p.q_partial_index + row * p.t_width + cur.slot);
-      words = p.kv_block_size / 32;
-      bits = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (q0 - cur.q_block * p.q_block_size)) * words;
-    }
+    // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (bwd_common.cuh) ----
+    const bwd::ScoreTile<C> st = bwd::score_tile<C>(p, cur, batch, head, kv0, kv_block);
     // Per n8 tile: Pᵀ packed into the A fragments of dV (p_t), and acc_s keeps Pᵀ ∘ score_mod' in
     // fp32 for dSᵀ (no array of derivatives stays live across the tile).
     u32 p_t[1][S::kQSteps][4];
@@ -262,51 +246,20 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
     };
-    if (!C::kTransformScores && !partial && !causal_cut && !kv_tail) {
-      // A tile with nothing to mask or transform: P straight from the raw scores.
+    if (st.plain(kv_tail)) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4];
         const float one[4] = {1.f, 1.f, 1.f, 1.f};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          pf[i] = exp2_approx(fmaf(acc_s[0][nt][i], p.scale_log2, -lse_s[nt * 8 + (lane % 4) * 2 + (i % 2)]));
+        bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
         finish(nt, pf, one);
       }
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4], g[4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {  // j: column 2(l%4) + j; i = j (row l/4) and j + 2 (row l/4 + 8)
-          const int q_local = nt * 8 + (lane % 4) * 2 + j;
-          const int q = q0 + q_local;
-          const float lse2 = lse_s[q_local];
-          u32 word = 0;
-          // The warp's 16 kv rows start 16-aligned within the block: one word holds them.
-          const int kv_bit0 = kv_in_block + warp_row0;
-          if (!C::kFuseMask && partial) word = __ldg(bits + q_local * words + kv_bit0 / 32);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = j + 2 * half;
-            const int kv = kv0 + warp_row0 + lane / 4 + half * 8;
-            float s = acc_s[0][nt][i];
-            g[i] = 0.f;
-            if (C::kTransformScores && q < q_len && kv < kv_len) s = F::transform(s, batch, head, q, kv, p, g[i]);
-            bool ok = !kv_tail || kv < kv_len;
-            if (partial) {
-              if (C::kFuseMask) {
-                ok = ok && q < q_len && F::mask(batch, head, q, kv, p);
-              } else {
-                ok = ok && ((word >> (kv_bit0 % 32 + lane / 4 + half * 8)) & 1u) != 0;
-              }
-            } else if (causal_cut) {
-              ok = ok && q >= kv;
-            }
-            // Masked scores and rows with no allowed key (lse_log2 = +inf) give exactly 0.
-            pf[i] = ok ? exp2_approx(fmaf(s, p.scale_log2, -lse2)) : 0.f;
-          }
-        }
+        bwd::masked_probs<C, F>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block, warp_row0, lse_s,
+                                nt, lane / 4, (lane % 4) * 2);
         finish(nt, pf, g);
       }
     }
@@ -334,14 +287,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     wgmma::fence();
     issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
     wgmma::commit();
-#pragma unroll
-    for (int kk = 0; kk < S::kQSteps; ++kk) {
-      u16* row0 = sdS + (warp_row0 + lane / 4) * kLdS + kk * 16 + (lane % 4) * 2;
-      *reinterpret_cast<u32*>(row0) = ds_t[0][kk][0];
-      *reinterpret_cast<u32*>(row0 + 8 * kLdS) = ds_t[0][kk][1];
-      *reinterpret_cast<u32*>(row0 + 8) = ds_t[0][kk][2];
-      *reinterpret_cast<u32*>(row0 + 8 * kLdS + 8) = ds_t[0][kk][3];
-    }
+    bwd::store_ds_rows<kLdS>(sdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).
@@ -356,11 +302,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
       int* sem = nullptr;
       int turn = 0;
-      if (deterministic) {
-        const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-        turn = __ldg(p.q_rank + row * p.t_width + cur.slot) - kv_in_block / kBc;
-        sem = p.dq_semaphore + (bh * (p.q_len_pad / kBr) + q0 / kBr);
-      }
+      if (deterministic) sem = bwd::dq_semaphore<kBr, kBc, 1>(p, batch, head, bh, kv_block, kv_in_block, cur, 0, turn);
       u32 a_ds[S::kKvSteps][4];
 #pragma unroll
       for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + kk * 16 * kLdS * 2);
@@ -379,27 +321,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         wgmma::wait<0>();
         wgmma::pin(acc_dq);
         hold(a_ds);
-        if (deterministic && chunk == 0) {  // wait for the kv tiles before this one
-          if (tid == 0) {
-            while (bwd::load_acquire(sem) != turn) {
-            }
-          }
-          __syncthreads();
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int q = q0 + m0 + lane / 4 + half * 8;
-          if (q >= q_len) continue;
-          float* row = p.dq_accum + (bh * q_len + q) * C::kHeadDim + col + (lane % 4) * 2;
-#pragma unroll
-          for (int dt = 0; dt < S::kDqN / 8; ++dt) bwd::red_add2(row + dt * 8, acc_dq[dt][2 * half], acc_dq[dt][2 * half + 1]);
-        }
+        if (deterministic && chunk == 0) bwd::wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
+        bwd::add_dq_rows<C::kHeadDim>(p, bh, q0, m0 + lane / 4, col, acc_dq, (lane % 4) * 2);
       }
-      if (deterministic) {  // hand the q tile to the next kv tile
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) bwd::store_release(sem, turn + 1);
-      }
+      if (deterministic) bwd::pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }
     cur = nxt;
     buf ^= 1;
@@ -407,18 +332,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   cp_async_wait<0>();  // a kv tile that no q tile sees still has K and V in flight
 
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int kv = kv0 + warp_row0 + lane / 4 + half * 8;
-    if (kv >= kv_len) continue;
-    u16* dk_row = p.dk + batch * p.dk_sb + hk * p.dk_sh + kv * p.dk_sn + (lane % 4) * 2;
-    u16* dv_row = p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + (lane % 4) * 2;
-#pragma unroll
-    for (int dt = 0; dt < S::kDTiles; ++dt) {
-      *reinterpret_cast<u32*>(dk_row + dt * 8) = T::pack(acc_dk[dt][2 * half] * p.scale, acc_dk[dt][2 * half + 1] * p.scale);
-      *reinterpret_cast<u32*>(dv_row + dt * 8) = T::pack(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
-    }
-  }
+  // Unpadded head dims only (dispatch/variant.py): every column is real.
+  bwd::store_dk_dv_rows<S::kDTiles, C::kHeadDim, C::kHeadDim, T>(p, batch, hk, kv0 + warp_row0, 0, acc_dk, acc_dv,
+                                                                 lane / 4, (lane % 4) * 2);
 }
 
 }  // namespace bwd_wgmma
