@@ -44,3 +44,32 @@ def test_workspace_parts_are_aligned_and_disjoint(deterministic):
     assert all(off % WORKSPACE_ALIGN == 0 for off in ws.offsets)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     assert ws.total >= spans[-1][1]
+
+
+@pytest.mark.parametrize("block_mask, causal, q_len, kv_len, expected", [
+    pytest.param("given", False, 300, 300, "given", id="callers-mask"),
+    pytest.param(None, False, 300, 400, "full", id="no-mask-full"),
+    pytest.param(None, True, 300, 300, "top_left", id="causal-true"),
+    pytest.param(None, "bottom_right", 100, 300, "bottom_right", id="bottom-right"),
+    pytest.param(None, "sideways", 300, 300, None, id="bad-causal-general-path"),
+    pytest.param(None, [True], 300, 300, None, id="unhashable-causal"),
+    pytest.param("not a mask", False, 300, 300, None, id="other-type"),
+])
+def test_steady_mask(block_mask, causal, q_len, kv_len, expected):
+    """The mask a cached forward/backward call keeps its recipe on, or None (then the general path
+    runs and names the problem)."""
+    from omnicupy import BlockMask
+    from omnicupy.ops.forward import steady_mask
+
+    given = BlockMask.causal(q_len, kv_len) if block_mask == "given" else block_mask
+    got = steady_mask(given, causal, q_len, kv_len)
+    if expected is None:
+        assert got is None
+    elif expected == "given":
+        assert got is given
+    else:
+        i, j = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+        want = {"full": np.ones((q_len, kv_len), bool), "top_left": i >= j,
+                "bottom_right": i + (kv_len - q_len) >= j}[expected]
+        assert isinstance(got, BlockMask) and np.array_equal(np.asarray(got.to_dense()).reshape(q_len, kv_len), want)
+        assert steady_mask(None, causal, q_len, kv_len) is got  # built once per (mode, sizes)

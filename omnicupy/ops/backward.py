@@ -25,12 +25,12 @@ from .. import arrays, jit
 from ..dispatch.arch import current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
-from ..errors import ArgumentError, CompileError, OmnicupyError
+from ..errors import ArgumentError, CompileError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
 from . import recall
 from .backward_index import backward_index, dq_ranks
-from .forward import CAUSAL_MODES, Extras, _bias_fields, _builtin_mask, _element_strides, resolve_mask
+from .forward import Extras, _bias_fields, _element_strides, resolve_mask, steady_mask
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
@@ -256,13 +256,7 @@ def _steady_key(dout, q, k, v, out, lse, grads: Sequence[Any], block_mask, causa
     scalars = (causal, scale, deterministic, fuse_mask)
     key = ("backward", *recall.signature((*views, *(gv for gv in grad_views if gv is not None)), ()),
            tuple(g is None for g in grads), id(bias), id(score_mod), *scalars, *map(type, scalars))
-    mask = block_mask if isinstance(block_mask, BlockMask) else None
-    if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
-        try:
-            mask = _builtin_mask(CAUSAL_MODES[causal], views[1][1][2], views[2][1][2])
-        except OmnicupyError:  # sizes no mask can have: the general path names the problem
-            mask = None
-    return key, mask, views + grad_views
+    return key, steady_mask(block_mask, causal, views[1][1][2], views[2][1][2]), views + grad_views
 
 
 def _launch_if_known(mask: BlockMask, key: tuple, views: tuple, grads: Sequence[Any], cp) -> Optional[tuple]:

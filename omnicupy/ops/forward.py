@@ -35,6 +35,20 @@ def _builtin_mask(mode: Optional[str], q_len: int, kv_len: int) -> BlockMask:
     return BlockMask.causal(q_len, kv_len, bottom_right=mode == "bottom_right")
 
 
+def steady_mask(block_mask: Any, causal: Any, q_len: int, kv_len: int) -> Optional[BlockMask]:
+    """The mask a steady-state call keeps its recipe on (ops/recall.py): the caller's BlockMask, or
+    the built-in one that ``causal`` names; None where only the general path can say what is wrong
+    (a bad ``causal``, a mask of another type, sizes no mask can have)."""
+    if isinstance(block_mask, BlockMask):
+        return block_mask
+    if block_mask is not None or not isinstance(causal, (bool, str)) or causal not in CAUSAL_MODES:
+        return None
+    try:
+        return _builtin_mask(CAUSAL_MODES[causal], q_len, kv_len)
+    except OmnicupyError:
+        return None
+
+
 def resolve_mask(block_mask: Optional[BlockMask], causal: Any, inp: Inputs) -> BlockMask:
     try:
         mode = CAUSAL_MODES[causal]
@@ -257,12 +271,7 @@ def attention(
                    out is None, id(bias), id(score_mod), causal, scale, return_lse, stages, fuse_mask, num_splits,
                    type(causal), type(scale), type(return_lse), type(stages), type(fuse_mask), type(num_splits),
                    None if lens_view is None else lens_view[1:])
-            mask = block_mask if isinstance(block_mask, BlockMask) else None
-            if mask is None and block_mask is None and isinstance(causal, (bool, str)) and causal in CAUSAL_MODES:
-                try:
-                    mask = _builtin_mask(CAUSAL_MODES[causal], views[0][1][2], views[1][1][2])
-                except OmnicupyError:  # sizes no mask can have: the general path names the problem
-                    mask = None
+            mask = steady_mask(block_mask, causal, views[0][1][2], views[1][1][2])
             if mask is not None:
                 result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view),
                                                 return_lse, cp, lens_view)
