@@ -213,7 +213,7 @@ def test_backward_variant_compiles(variant, arch, compile_cache):
 
 def test_steady_state_writes_pointers_in_the_recipes_order(monkeypatch):
     """The cached backward call hands the recipe its pointers in POINTER_FIELDS' order (q, k, v, o,
-    dout, lse, dq, dk, dv, then the workspace), whatever order the call's views come in."""
+    dout, lse, dq, dk, dv, then the workspace): _steady_key's views through _launch_if_known."""
     from types import SimpleNamespace
 
     from omnicupy.ops import backward, recall
@@ -227,12 +227,23 @@ def test_steady_state_writes_pointers_in_the_recipes_order(monkeypatch):
             seen["pointers"] = pointers
 
     monkeypatch.setattr(recall, "recipe_for", lambda mask, key: FakeRecipe())
-    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0)))
-    names = ("dout", "q", "k", "v", "o", "lse", "dq", "dk", "dv")  # _steady_key's order of views
-    views = tuple((0x1000 * (i + 1), (1, 1, 16, 64), (2048, 2048, 128, 2), "float16", 0) for i in range(len(names)))
-    grads = ("dq", "dk", "dv")  # user buffers: their view's pointer is used
-    result = backward._launch_if_known(object(), ("key",), views, grads, cp)
+
+    class FakeArray:  # what recall.view reads of a CuPy array
+        def __init__(self, ptr, shape):
+            self.data = SimpleNamespace(ptr=ptr, device_id=0)
+            self.shape, self.strides, self.dtype = shape, tuple(2 * n for n in (shape[1] * shape[2] * shape[3],
+                                                                               shape[2] * shape[3], shape[3], 1)), "f2"
+
+    cp = SimpleNamespace(ndarray=FakeArray, cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0)))
+    names = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv")
+    arrays = {n: FakeArray(0x1000 * (i + 1), (1, 1, 16, 64)) for i, n in enumerate(names)}
+    grads = (arrays["dq"], arrays["dk"], arrays["dv"])  # user buffers: their view's pointer is used
+    a = arrays
+    key, mask, views = backward._steady_key(a["dout"], a["q"], a["k"], a["v"], a["o"], a["lse"], grads, None, True,
+                                            None, None, None, False, False, cp)
+    assert key is not None and mask is not None
+    result = backward._launch_if_known(mask, key, views, grads, cp)
     assert result == grads
-    by_name = dict(zip(names, (vw[0] for vw in views)))
+    by_name = {n: x.data.ptr for n, x in arrays.items()}
     expected = tuple(by_name[n] for n in backward.POINTER_FIELDS[:9]) + (0xA0, 0xB0, 0xC0, 0)
     assert seen["pointers"] == expected

@@ -104,3 +104,36 @@ def test_cta_tile_lists_cached_and_capped(monkeypatch):
     assert schedule.cta_tile_lists(bm, 128, 1, 8, 132) is first
     monkeypatch.setattr(schedule, "MAX_ASSIGNED_TILES", 100)
     assert schedule.cta_tile_lists(bm, 128, 1, 8, 131) is None  # 256 tiles > cap: grid stride
+
+
+def test_schedule_arrays_go_to_the_device_once(monkeypatch):
+    """ops/forward uploads a plan's q tile order and per-CTA tile lists once per device, cached on
+    the mask; absent arrays stay null fields."""
+    from types import SimpleNamespace
+
+    from omnicupy import arrays
+    from omnicupy.dispatch import plan as plan_module
+    from omnicupy.ops import forward
+
+    monkeypatch.setattr(plan_module, "sm_count", lambda: 132)
+    planned = {}
+    for name, bm in (("causal", BlockMask.causal(8192, 8192)), ("full", BlockMask.full(8192, 8192))):
+        planned[name] = bm, plan_module.plan_forward(head_dim=128, dtype="fp16", batch=1, heads=16, block_mask=bm,
+                                                     stages=None, bias=None, mask_expr=None, score_expr=None,
+                                                     arch="sm_90", family="tma")
+    device = [0]
+    uploads = []
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: device[0])))
+    monkeypatch.setattr(arrays, "cupy_module", lambda: fake_cp)
+    monkeypatch.setattr(arrays, "upload", lambda host: uploads.append(host) or ("on", device[0], host))
+    bm, plan = planned["causal"]
+    first = forward._cta_tile_fields(bm, plan)
+    assert first["cta_tiles"][:2] == ("on", 0) and first["cta_tiles"][2] is plan.cta_tiles[0]
+    assert first["tile_list"][:2] == ("on", 0) and first["tile_list"][2] is plan.cta_tiles[1]
+    again = forward._cta_tile_fields(bm, plan)
+    assert again["cta_tiles"] is first["cta_tiles"] and again["tile_list"] is first["tile_list"] and len(uploads) == 2
+    device[0] = 1
+    assert forward._cta_tile_fields(bm, plan)["tile_list"][:2] == ("on", 1) and len(uploads) == 4
+    full, plan_full = planned["full"]
+    assert forward._cta_tile_fields(full, plan_full) == {"cta_tiles": None, "tile_list": None}
+    assert forward._on_device(full, ("order", 128), plan_full.q_tile_order) is None and len(uploads) == 4

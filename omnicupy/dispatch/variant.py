@@ -70,8 +70,6 @@ SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled til
 #: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
 TMA_PRODUCER_WARPS = 4
 TMA_BARRIER_BYTES = 128
-#: Shared memory a persistent tma CTA may use: sm_90's opt-in limit per block (227 KB).
-TMA_PERSISTENT_SMEM = 232448
 
 
 def check_head_dim(head_dim: object, name: str = "q") -> int:
@@ -256,10 +254,17 @@ class Variant:
     def persistent(self) -> bool:
         """tma: whether the epilogue's staging rows fit beside Q and the ring (sm_90's shared memory),
         so that a CTA may loop over tiles (persistent CTAs, one per SM); else one CTA per tile."""
-        if self.family != "tma":
-            return False
-        base = SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
-        return base + self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2 <= TMA_PERSISTENT_SMEM
+        return self.family == "tma" and self._tma_tiles_bytes + self._tma_staging_bytes <= smem_limit("sm_90")
+
+    @property
+    def _tma_tiles_bytes(self) -> int:
+        """tma: one swizzle atom of alignment slack, Q, the K/V ring and the mbarriers."""
+        return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
+
+    @property
+    def _tma_staging_bytes(self) -> int:
+        """tma: the epilogue's padded rows of O (their own bytes only when persistent)."""
+        return self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2
 
     @property
     def real_head_dim(self) -> int:
@@ -286,9 +291,7 @@ class Variant:
         Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows);
         backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack."""
         if self.family == "tma":
-            base = SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
-            staging = self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2
-            return base + staging if self.persistent else base
+            return self._tma_tiles_bytes + (self._tma_staging_bytes if self.persistent else 0)
         if self.operation == "backward" and self.family == "wgmma":
             # kernels/bwd_wgmma.cuh smem_bytes(): swizzled K, V, Q/dO stages; dSᵀ padded; LSE, delta
             return (SWIZZLE_ATOM_BYTES + (2 * self.bc + 2 * self.stages * self.br) * self.head_dim * 2
@@ -341,6 +344,7 @@ class Variant:
         values["m_tiles"] = 1 if self.family in HOPPER_FAMILIES else self.br // self.warps // 16
         values["smem_pad"] = SMEM_PAD_ELEMS
         values["head_dim_valid"] = self.real_head_dim
+        values["persistent"] = self.persistent  # tma: the host launches one CTA per SM (plan.py)
         return values
 
 

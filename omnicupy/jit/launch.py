@@ -87,21 +87,21 @@ class Launcher:
         self._local = threading.local()
         self._record = np.dtype((np.void, len(self.template)))
 
-    def args(self) -> memoryview:
-        """This thread's parameter bytes (writable, the template's values until overwritten)."""
+    def _slot(self) -> _Slot:
         try:
-            return self._local.slot.view
+            return self._local.slot
         except AttributeError:
             slot = self._local.slot = _Slot(self.template)
-            return slot.view
+            return slot
+
+    def args(self) -> memoryview:
+        """This thread's parameter bytes (writable, the template's values until overwritten)."""
+        return self._slot().view
 
     def launch(self, stream_ptr: Optional[int] = None) -> None:
         """Launches every kernel with this thread's parameter bytes on ``stream_ptr`` (default:
         CuPy's current stream)."""
-        try:
-            slot = self._local.slot
-        except AttributeError:
-            slot = self._local.slot = _Slot(self.template)
+        slot = self._slot()
         fire = _ROUTE[0]
         if fire is None:  # picked on the first launch, not at import: importing omnicupy imports no CuPy
             use_route()

@@ -244,8 +244,9 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
 
 def _steady_key(dout, q, k, v, out, lse, grads: Sequence[Any], block_mask, causal, scale, bias, score_mod,
                 deterministic, fuse_mask, cp) -> tuple[Optional[tuple], Optional[BlockMask], Optional[tuple]]:
-    """(key, mask, views) of a call the steady state may serve, or Nones (ops/recall.py)."""
-    views = (recall.view(dout, cp), recall.view(q, cp), recall.view(k, cp), recall.view(v, cp), recall.view(out, cp),
+    """(key, mask, views) of a call the steady state may serve, or Nones (ops/recall.py). The views
+    come in POINTER_FIELDS' order (q, k, v, o, dout, lse, then the gradient buffers)."""
+    views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp), recall.view(out, cp), recall.view(dout, cp),
              recall.view(lse, cp))
     if None in views or any(len(vw[1]) != 4 for vw in views[:5]) or not (bias is None or type(bias) is cp.ndarray):
         return None, None, None
@@ -256,7 +257,7 @@ def _steady_key(dout, q, k, v, out, lse, grads: Sequence[Any], block_mask, causa
     scalars = (causal, scale, deterministic, fuse_mask)
     key = ("backward", *recall.signature((*views, *(gv for gv in grad_views if gv is not None)), ()),
            tuple(g is None for g in grads), id(bias), id(score_mod), *scalars, *map(type, scalars))
-    return key, steady_mask(block_mask, causal, views[1][1][2], views[2][1][2]), views + grad_views
+    return key, steady_mask(block_mask, causal, views[0][1][2], views[1][1][2]), views + grad_views
 
 
 def _launch_if_known(mask: BlockMask, key: tuple, views: tuple, grads: Sequence[Any], cp) -> Optional[tuple]:
@@ -264,15 +265,15 @@ def _launch_if_known(mask: BlockMask, key: tuple, views: tuple, grads: Sequence[
     recipe = recall.recipe_for(mask, key)
     if recipe is None:
         return None
-    dev = views[1][4]
+    dev = views[0][4]
     pointers = []
-    for vw in (views[1], views[2], views[3], views[4], views[0], views[5]):  # POINTER_FIELDS' order: q k v o dout lse
+    for vw in views[:6]:
         if vw[4] != dev or vw[0] % 16:
             return None
         pointers.append(vw[0])
     if dev != cp.cuda.runtime.getDevice():
         return None
-    q_view, k_view = views[1], views[2]
+    q_view, k_view = views[0], views[1]
     results = []
     for user, vw, like in zip(grads, views[6:], (q_view, k_view, k_view)):
         if user is None:

@@ -108,27 +108,24 @@ def _bias_fields(bias: Optional[Bias]) -> dict[str, Any]:
     return {"bias": b, "bias_sb": st[0], "bias_sh": st[1], "bias_sq": st[2], "bias_sk": st[3]}
 
 
-def _device_order(bm: BlockMask, plan: Plan):
-    """The plan's q tile order on the current device (uploaded once per device and tile height)."""
-    if plan.q_tile_order is None:
+def _on_device(bm: BlockMask, what: tuple, host: Optional[np.ndarray]):
+    """``host`` (a schedule array of the mask's plans) on the current device, uploaded once per
+    device and ``what``, cached on the mask; None for None. No synchronization, also while a graph
+    is being captured."""
+    if host is None:
         return None
-    cp = arrays.cupy_module()
-    key = ("device", cp.cuda.runtime.getDevice(), plan.variant.br)
-    if key not in bm._tile_orders:  # no synchronization, also while a graph is being captured
-        bm._tile_orders[key] = arrays.upload(plan.q_tile_order)
+    key = ("device", arrays.cupy_module().cuda.runtime.getDevice(), *what)
+    if key not in bm._tile_orders:
+        bm._tile_orders[key] = arrays.upload(host)
     return bm._tile_orders[key]
 
 
-def _device_cta_tiles(bm: BlockMask, plan: Plan) -> dict[str, Any]:
-    """The plan's per-CTA tile lists on the current device (uploaded once per device and plan)."""
-    if plan.cta_tiles is None:
-        return {"cta_tiles": None, "tile_list": None}
-    cp = arrays.cupy_module()
-    key = ("device", cp.cuda.runtime.getDevice(), "cta_tiles", id(plan.cta_tiles[1]))
-    if key not in bm._tile_orders:
-        bm._tile_orders[key] = tuple(arrays.upload(a) for a in plan.cta_tiles)
-    offsets, tiles = bm._tile_orders[key]
-    return {"cta_tiles": offsets, "tile_list": tiles}
+def _cta_tile_fields(bm: BlockMask, plan: Plan) -> dict[str, Any]:
+    """The persistent tma launch's per-CTA tile lists as launch fields (null: grid stride). Keyed
+    by identity: schedule.cta_tile_lists caches the host arrays on this mask for its lifetime."""
+    offsets, tiles = plan.cta_tiles if plan.cta_tiles is not None else (None, None)
+    return {"cta_tiles": _on_device(bm, ("cta_offsets", id(offsets)), offsets),
+            "tile_list": _on_device(bm, ("cta_tiles", id(tiles)), tiles)}
 
 
 def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras: Extras = Extras()) -> recall.Recipe:
@@ -154,7 +151,7 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         "partial_index": meta.partial_block_mask_indices, "partial_masks": meta.partial_block_masks,
         "mask_row_sb": meta.row_stride_batch, "mask_row_sh": meta.row_stride_head,
         "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size, "kv_block_size": bm.kv_block_size,
-        "q_tile_order": _device_order(bm, plan),
+        "q_tile_order": _on_device(bm, ("order", plan.variant.br), plan.q_tile_order),
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
@@ -162,7 +159,7 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
     if plan.variant.family == "tma":  # TMA tensor maps of q, k, v (ops/tma.py; cached per buffer)
         maps = tma.MapWriter.make(plan.variant, inp.q, inp.k, inp.v, inp.dtype)
         fields.update(maps.fields(inp.q.data.ptr, inp.k.data.ptr, inp.v.data.ptr), batch=inp.batch,
-                      **_device_cta_tiles(bm, plan))
+                      **_cta_tile_fields(bm, plan))
     # The first call launches through its recipe too: one route for first and later calls.
     recipe = recall.Recipe.make(kernel, plan, fields, params, maps)
     recipe.launch(*(0 if x is None else x.data.ptr for x in (inp.q, inp.k, inp.v, o, lse)))
