@@ -1,12 +1,14 @@
 """Host time per call: omnicupy (CuPy and torch inputs, forward and backward, each launch route) next
 to SDPA and FlexAttention, one process; CUDA-graph replay next to direct calls.
 
-    PYTHONPATH=. python benchmarks/bench_overhead.py [--seq-lens 512,1024,2048,4096] [--calls 300]
+    PYTHONPATH=. python benchmarks/bench_overhead.py [--seq-lens 512,1024,2048,4096] [--calls 200] [--rounds 5]
     python benchmarks/bench_overhead.py --cpu     # no GPU: the host path's pieces without the launch (a report)
 
 Host µs per call: the median of ``time.perf_counter`` around single calls (GPU drained before each
 series, and few enough calls that the launch queue never fills, so the host never waits for the
-device); the kernels run asynchronously. Graph replay: 20 calls captured once in a CUDA graph on a
+device); the kernels run asynchronously. Every system's series runs once per round, the rounds
+interleaved, and a system's figure is its best round (the lent machines' hosts are shared: the
+same call drifts by a third from one minute to the next). Graph replay: 20 calls captured once in a CUDA graph on a
 CuPy stream, replayed, timed with CUDA events, next to the same 20 direct calls (events): GPU µs
 per call. Forward and backward results are checked against float64 references before timing.
 
@@ -162,7 +164,20 @@ def _check(cp, q, k, v, do) -> str:
     return f"fwd {err:.1e}, bwd {max(errs):.1e}"
 
 
-def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None) -> list[dict]:
+def interleaved(series: dict, rounds: int) -> dict:
+    """name -> host µs per call: the lowest over ``rounds`` of each series' median. Every round runs
+    every series once, in turn, so that a slow spell of the host (shared machines drift by 30 % from
+    minute to minute) hits every system alike instead of whichever series it fell on."""
+    best: dict = {}
+    for _ in range(rounds):
+        for name, (call, calls, drain, set_up) in series.items():
+            set_up()
+            best[name] = min(best.get(name, float("inf")), per_call_us(call, calls, drain))
+    launch.use_route(None)
+    return best
+
+
+def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None, rounds: int = 5) -> list[dict]:
     import cupy as cp
     import torch
     import torch.nn.functional as F
@@ -184,39 +199,42 @@ def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None) -> list[dict]:
         tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, do))
         out, lse = omnicupy.attention(q, k, v, causal=True, return_lse=True)
         tout, tlse = torch.from_dlpack(out), torch.from_dlpack(lse)
-        for name in routes:
-            launch.use_route(name)
-            r[f"fwd cupy [{name}]"] = per_call_us(lambda: omnicupy.attention(q, k, v, causal=True), calls, sync)
-        launch.use_route(None)
-        r["fwd torch"] = per_call_us(lambda: omnicupy.attention(tq, tk, tv, causal=True), calls, sync)
-        r["bwd cupy"] = per_call_us(lambda: omnicupy.attention_backward(do, q, k, v, out, lse, causal=True),
-                                    max(calls // 3, 30), sync)
-        r["bwd torch"] = per_call_us(lambda: omnicupy.attention_backward(tdo, tq, tk, tv, tout, tlse, causal=True),
-                                     max(calls // 3, 30), sync)
+        torch_sync = torch.cuda.synchronize
+        keep_route = lambda: launch.use_route(None)  # noqa: E731
+        # name -> (call, calls per series, drain, set-up before each series)
+        series = {f"fwd cupy [{name}]": (lambda: omnicupy.attention(q, k, v, causal=True), calls, sync,
+                                         lambda name=name: launch.use_route(name)) for name in routes}
+        series["fwd torch"] = (lambda: omnicupy.attention(tq, tk, tv, causal=True), calls, sync, keep_route)
+        series["bwd cupy"] = (lambda: omnicupy.attention_backward(do, q, k, v, out, lse, causal=True),
+                              max(calls // 3, 30), sync, keep_route)
+        series["bwd torch"] = (lambda: omnicupy.attention_backward(tdo, tq, tk, tv, tout, tlse, causal=True),
+                               max(calls // 3, 30), sync, keep_route)
 
         def omni_fb():
             o, s = omnicupy.attention(q, k, v, causal=True, return_lse=True)
             omnicupy.attention_backward(do, q, k, v, o, s, causal=True)
 
-        r["fwd+bwd cupy"] = per_call_us(omni_fb, max(calls // 4, 30), sync)
-        r["sdpa fwd"] = per_call_us(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True), calls,
-                                    torch.cuda.synchronize)
+        series["fwd+bwd cupy"] = (omni_fb, max(calls // 4, 30), sync, keep_route)
+        series["sdpa fwd"] = (lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True), calls, torch_sync,
+                              keep_route)
         gq, gk, gv = (x.detach().clone().requires_grad_() for x in (tq, tk, tv))
 
         def sdpa_fb():
             F.scaled_dot_product_attention(gq, gk, gv, is_causal=True).backward(tdo)
 
-        r["sdpa fwd+bwd"] = per_call_us(sdpa_fb, max(calls // 4, 30), torch.cuda.synchronize)
+        series["sdpa fwd+bwd"] = (sdpa_fb, max(calls // 4, 30), torch_sync, keep_route)
         if flex is not None and (flex_seq_lens is None or n in flex_seq_lens):  # each N compiles anew
             try:
                 bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device="cuda")
-                r["flex fwd"] = per_call_us(lambda: flex(tq, tk, tv, block_mask=bm), max(calls // 4, 30),
-                                            torch.cuda.synchronize)
+                flex(tq, tk, tv, block_mask=bm)  # compiled here, not in the first timed series
 
                 def flex_fb():
                     flex(gq, gk, gv, block_mask=bm).backward(tdo)
 
-                r["flex fwd+bwd"] = per_call_us(flex_fb, max(calls // 4, 30), torch.cuda.synchronize)
+                flex_fb()
+                series["flex fwd"] = (lambda: flex(tq, tk, tv, block_mask=bm), max(calls // 4, 30), torch_sync,
+                                      keep_route)
+                series["flex fwd+bwd"] = (flex_fb, max(calls // 4, 30), torch_sync, keep_route)
             except Exception as exc:  # noqa: BLE001
                 print(f"flex failed at N={n}: {exc}", file=sys.stderr)
         # a decode step: one query per sequence, GQA 4, device lengths (the split-KV kernel)
@@ -224,19 +242,21 @@ def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None) -> list[dict]:
         dk_, dv_ = (rng.standard_normal((B, H // 4, n, D), dtype=cp.float32).astype(cp.float16) for _ in range(2))
         lens = cp.full((B,), n - 1, dtype=cp.int32)
         tdq, tdk, tdv = (torch.from_dlpack(x) for x in (dq_, dk_, dv_))
-        r["decode cupy"] = per_call_us(lambda: omnicupy.attention(dq_, dk_, dv_, causal=True, kv_lens=lens), calls,
-                                       sync)
+        series["decode cupy"] = (lambda: omnicupy.attention(dq_, dk_, dv_, causal=True, kv_lens=lens), calls, sync,
+                                 keep_route)
         pages = n // 16
         k_pages, v_pages = (rng.standard_normal((B * pages, 16, H // 4, D), dtype=cp.float32).astype(cp.float16)
                             for _ in range(2))
         table = cp.arange(B * pages, dtype=cp.int32).reshape(B, pages)
-        r["paged cupy"] = per_call_us(lambda: omnicupy.paged_attention(dq_, k_pages, v_pages, table, lens,
-                                                                       validate=False), calls, sync)
+        series["paged cupy"] = (lambda: omnicupy.paged_attention(dq_, k_pages, v_pages, table, lens, validate=False),
+                                calls, sync, keep_route)
         try:
-            r["decode sdpa"] = per_call_us(lambda: F.scaled_dot_product_attention(tdq, tdk, tdv, enable_gqa=True),
-                                           calls, torch.cuda.synchronize)
+            F.scaled_dot_product_attention(tdq, tdk, tdv, enable_gqa=True)
+            series["decode sdpa"] = (lambda: F.scaled_dot_product_attention(tdq, tdk, tdv, enable_gqa=True), calls,
+                                     torch_sync, keep_route)
         except Exception as exc:  # noqa: BLE001 - torch without enable_gqa
             print(f"sdpa decode unavailable: {exc}", file=sys.stderr)
+        r.update(interleaved(series, rounds))
         o_buf = cp.empty_like(q)
         r["fwd direct GPU µs"], r["fwd graph GPU µs"] = _graph_vs_direct(
             lambda: omnicupy.attention(q, k, v, causal=True, out=o_buf), cp)
@@ -253,7 +273,7 @@ def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     keys = list(dict.fromkeys(key for r in rows for key in r))
-    print("\nhost µs per call (B=2, H=16, D=128, causal, fp16; median of single calls); "
+    print("\nhost µs per call (B=2, H=16, D=128, causal, fp16; median of single calls, best of the interleaved rounds); "
           "'GPU µs' columns: per call, 20 (bwd 5) calls direct vs one replayed graph")
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in rows:
@@ -264,7 +284,8 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", default="512,1024,2048,4096")
-    parser.add_argument("--calls", type=int, default=300, help="timed single calls per series (forward)")
+    parser.add_argument("--calls", type=int, default=200, help="timed single calls per series (forward)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every series; the best median counts")
     parser.add_argument("--routes", default=None, help="launch routes to time the forward with (default: all here)")
     parser.add_argument("--flex-seq-lens", default=None,
                         help="the N at which to time flex (each compiles; default: every N)")
@@ -277,7 +298,7 @@ def main() -> int:
             return 0
         routes = args.routes.split(",") if args.routes else launch.available_routes()
         flex_lens = None if args.flex_seq_lens is None else [int(n) for n in args.flex_seq_lens.split(",")]
-        rows = gpu_report([int(n) for n in args.seq_lens.split(",")], args.calls, routes, flex_lens)
+        rows = gpu_report([int(n) for n in args.seq_lens.split(",")], args.calls, routes, flex_lens, args.rounds)
         print(f"launch route by default: {launch.use_route(None)}")
         print_table(rows)
     return 0

@@ -247,3 +247,13 @@ def test_steady_state_writes_pointers_in_the_recipes_order(monkeypatch):
     by_name = {n: x.data.ptr for n, x in arrays.items()}
     expected = tuple(by_name[n] for n in backward.POINTER_FIELDS[:9]) + (0xA0, 0xB0, 0xC0, 0)
     assert seen["pointers"] == expected
+
+
+def test_inputs_line_up_in_pointer_order():
+    """The steady state's views and the first call's check that its recipe fits later calls (nothing
+    was copied) both take the arrays from _in_pointer_order: it must be POINTER_FIELDS' order (the
+    check once zipped the old dout-first order with the new views, and no recipe was ever kept)."""
+    from omnicupy.ops import backward
+
+    got = backward._in_pointer_order(q="q", k="k", v="v", out="o", dout="dout", lse="lse")
+    assert got == backward.POINTER_FIELDS[:6]

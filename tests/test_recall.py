@@ -73,3 +73,60 @@ def test_steady_mask(block_mask, causal, q_len, kv_len, expected):
                 "bottom_right": i + (kv_len - q_len) >= j}[expected]
         assert isinstance(got, BlockMask) and np.array_equal(np.asarray(got.to_dense()).reshape(q_len, kv_len), want)
         assert steady_mask(None, causal, q_len, kv_len) is got  # built once per (mode, sizes)
+
+
+# ------------------------------------------------------------------ the forward's steady-state key
+class _FakeArray:
+    """What recall.view reads of a CuPy array (no GPU here)."""
+
+    def __init__(self, ptr, shape=(1, 2, 16, 64), dtype=F16):
+        self.data = type("Ptr", (), {"ptr": ptr, "device_id": 0})()
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.strides = tuple(np.empty(shape, dtype).strides)
+
+
+_FAKE_CP = type("FakeCupy", (), {"ndarray": _FakeArray})
+_DEFAULTS = dict(causal=True, scale=None, return_lse=False, stages=None, out=None, bias=None, score_mod=None,
+                 fuse_mask=False, kv_lens=None, num_splits=None)
+
+
+def _forward_key(ptr=0x1000, shape=(1, 2, 16, 64), **options):
+    from omnicupy.ops.forward import _steady_key
+
+    args = dict(_DEFAULTS, **options)
+    q = _FakeArray(ptr, shape)
+    return _steady_key(q, _FakeArray(ptr + 0x10000, shape), _FakeArray(ptr + 0x20000, shape), args["causal"],
+                       args["scale"], args["return_lse"], args["stages"], args["out"], args["bias"],
+                       args["score_mod"], args["fuse_mask"], args["kv_lens"], args["num_splits"], _FAKE_CP)[0]
+
+
+@pytest.mark.parametrize("first, second, same", [
+    pytest.param({}, {"ptr": 0x9000}, True, id="new-pointers-same-key"),
+    pytest.param({}, {"shape": (1, 2, 32, 64)}, False, id="new-length"),
+    pytest.param({}, {"causal": False}, False, id="causal-off"),
+    pytest.param({}, {"causal": 1}, False, id="causal-1-is-not-True"),
+    pytest.param({}, {"causal": "bottom_right"}, False, id="bottom-right"),
+    pytest.param({}, {"scale": 0.125}, False, id="scale-given"),
+    pytest.param({"scale": 2}, {"scale": 2.0}, False, id="scale-int-vs-float"),
+    pytest.param({}, {"return_lse": True}, False, id="return-lse"),
+    pytest.param({"return_lse": True}, {"return_lse": 1}, False, id="return-lse-1-is-not-True"),
+    pytest.param({}, {"return_lse": 0}, False, id="return-lse-0-takes-the-long-key"),
+    pytest.param({}, {"stages": 2}, False, id="stages"),
+    pytest.param({}, {"fuse_mask": True}, False, id="fuse-mask"),
+    pytest.param({}, {"num_splits": 4}, False, id="num-splits"),
+    pytest.param({}, {"out": _FakeArray(0x80000)}, False, id="out-given"),
+    pytest.param({"out": _FakeArray(0x80000)}, {"out": _FakeArray(0x90000)}, True, id="out-new-pointer"),
+    pytest.param({"out": _FakeArray(0x80000)}, {"out": _FakeArray(0x80000, shape=(1, 2, 32, 64))}, False,
+                 id="out-new-layout"),
+])
+def test_forward_steady_key(first, second, same):
+    """Calls share a recipe exactly when nothing but their data pointers differ; the defaults' short
+    key (no options) never equals a key with options."""
+    a, b = _forward_key(**first), _forward_key(**second)
+    assert a is not None and b is not None
+    assert (a == b) is same
+
+
+def test_forward_steady_key_refuses_what_the_general_path_must_check():
+    assert _forward_key(out=np.zeros((1, 2, 16, 64), F16)) is None  # a NumPy out: the general path returns CuPy
+    assert _forward_key(shape=(2, 16, 64)) is None  # not 4-D: the general path says what is wrong

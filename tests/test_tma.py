@@ -112,6 +112,21 @@ def test_map_writer_fills_each_map_at_its_offset(monkeypatch):
     for i, name in enumerate(("q_map", "k_map", "v_map")):
         off = FORWARD_TMA.offset(name)
         assert off % 64 == 0 and buf[off:off + 128] == bytes([i + 1]) * 128
+    writer(buf, (0x1000, 0x2000, 0x3000, 0x5000, 0))  # same q, k, v: the writer's own copy, no encode
+    assert len(calls) == 3
+    writer(buf, (0x1000, 0x2000, 0x7000, 0x5000, 0))  # a new v: that triple is encoded
+    assert calls[3:] == [(0x1000, 128), (0x2000, 128), (0x7000, 128)]
+    assert buf[FORWARD_TMA.offset("v_map"):FORWARD_TMA.offset("v_map") + 128] == bytes([6]) * 128
+
+
+def test_map_writer_keeps_a_bounded_number_of_pointer_triples(monkeypatch):
+    monkeypatch.setattr(tma, "encode", lambda ptr, layout, box: bytes(128))
+    q = np.zeros((1, 2, 300, 128), np.float16)
+    writer = tma.MapWriter.make(Variant(128, "fp16", 128, 128, 12, 2, family="tma"), q, q, q, "fp16")
+    buf = bytearray(FORWARD_TMA.size)
+    for i in range(3 * tma.WRITER_CACHE_SIZE):
+        writer(buf, (16 * i, 16 * i + 16, 16 * i + 32))
+        assert len(writer._blobs) <= tma.WRITER_CACHE_SIZE
 
 
 def test_encode_is_cached_per_pointer_and_layout():

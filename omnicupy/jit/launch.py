@@ -87,7 +87,8 @@ class Launcher:
         self._local = threading.local()
         self._record = np.dtype((np.void, len(self.template)))
 
-    def _slot(self) -> _Slot:
+    def slot(self) -> _Slot:
+        """This thread's parameter buffer (``.view``: its writable bytes; pass it to ``fire``)."""
         try:
             return self._local.slot
         except AttributeError:
@@ -96,12 +97,16 @@ class Launcher:
 
     def args(self) -> memoryview:
         """This thread's parameter bytes (writable, the template's values until overwritten)."""
-        return self._slot().view
+        return self.slot().view
 
     def launch(self, stream_ptr: Optional[int] = None) -> None:
         """Launches every kernel with this thread's parameter bytes on ``stream_ptr`` (default:
         CuPy's current stream)."""
-        slot = self._slot()
+        self.fire(self.slot(), stream_ptr)
+
+    def fire(self, slot: _Slot, stream_ptr: Optional[int] = None) -> None:
+        """``launch`` with the thread's ``slot()`` already in hand (the steady state writes its
+        pointers there first: one lookup of the thread's buffer per call, not two)."""
         fire = _ROUTE[0]
         if fire is None:  # picked on the first launch, not at import: importing omnicupy imports no CuPy
             use_route()
@@ -131,9 +136,14 @@ def _ensure_context() -> None:
 
 
 def _current_stream_ptr() -> int:
+    return _get_current_stream()().ptr
+
+
+@functools.lru_cache(maxsize=1)
+def _get_current_stream() -> Callable:
     import cupy
 
-    return cupy.cuda.get_current_stream().ptr
+    return cupy.cuda.get_current_stream
 
 
 def _failed(item: KernelLaunch, why: Any) -> LaunchError:

@@ -242,12 +242,17 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     return recipe
 
 
+def _in_pointer_order(q, k, v, out, dout, lse) -> tuple:
+    """The call's arrays in POINTER_FIELDS' order: how the steady state's views and the check that a
+    first call's recipe fits later calls (nothing was copied) both line them up."""
+    return q, k, v, out, dout, lse
+
+
 def _steady_key(dout, q, k, v, out, lse, grads: Sequence[Any], block_mask, causal, scale, bias, score_mod,
                 deterministic, fuse_mask, cp) -> tuple[Optional[tuple], Optional[BlockMask], Optional[tuple]]:
     """(key, mask, views) of a call the steady state may serve, or Nones (ops/recall.py). The views
     come in POINTER_FIELDS' order (q, k, v, o, dout, lse, then the gradient buffers)."""
-    views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp), recall.view(out, cp), recall.view(dout, cp),
-             recall.view(lse, cp))
+    views = tuple(recall.view(x, cp) for x in _in_pointer_order(q, k, v, out, dout, lse))
     if None in views or any(len(vw[1]) != 4 for vw in views[:5]) or not (bias is None or type(bias) is cp.ndarray):
         return None, None, None
     # User gradient buffers only as CuPy arrays: the general path returns other kinds as CuPy views
@@ -371,7 +376,8 @@ def attention_backward(
     recipe = _launch(inp, dout_d, out_d, lse_d, buffers["dq"][0], buffers["dk"][0], buffers["dv"][0], bm, scale, plan,
                      extras, bool(deterministic))
     if key is not None and not host_result and all(copy_into is None for _, copy_into in buffers.values()) \
-            and all(x.data.ptr == vw[0] for x, vw in zip((dout_d, inp.q, inp.k, inp.v, out_d, lse_d), views)):
+            and all(x.data.ptr == vw[0] for x, vw in zip(_in_pointer_order(inp.q, inp.k, inp.v, out_d, dout_d, lse_d),
+                                                         views)):
         recall.remember(bm, key, recipe, bias, score_mod)  # nothing was copied: the recipe fits later calls
     results = []
     for name in ("dq", "dk", "dv"):

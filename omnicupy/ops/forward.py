@@ -208,6 +208,27 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
     return make_plan(inp, bm, stages, extras, arch)
 
 
+def _steady_key(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod, fuse_mask, kv_lens, num_splits,
+                cp) -> tuple:
+    """(key, views of q, k, v, view of out, view of kv_lens) of a call the steady state may serve;
+    key None when only the general path can take it (ops/recall.py)."""
+    views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp))
+    # A user ``out`` only as a CuPy array: the general path returns other kinds as CuPy views
+    out_view = None if out is None or type(out) is not cp.ndarray else recall.view(out, cp)
+    lens_view = None if kv_lens is None else recall.view(kv_lens, cp)
+    if None in views or len(views[0][1]) != 4 or len(views[1][1]) != 4 or len(views[2][1]) != 4 \
+            or (out is not None and out_view is None) or not (bias is None or type(bias) is cp.ndarray):
+        return None, views, out_view, lens_view
+    if (scale is None and return_lse is False and stages is None and out is None and bias is None
+            and score_mod is None and fuse_mask is False and kv_lens is None and num_splits is None):
+        options = ()  # every option at its default: the common call keys on its arrays and causal only
+    else:  # scalars enter with their types: 2 and 2.0 (or 1 and True) are equal keys but not equally valid
+        options = (out_view is None or out_view[1:], id(bias), id(score_mod), scale, return_lse, stages, fuse_mask,
+                   num_splits, type(scale), type(return_lse), type(stages), type(fuse_mask), type(num_splits),
+                   None if lens_view is None else lens_view[1:])
+    return recall.signature(views, (causal, type(causal), *options)), views, out_view, lens_view
+
+
 def attention(
     q: Any,
     k: Any,
@@ -257,17 +278,9 @@ def attention(
     # Device lengths only: host lengths are read on the host (they pick the decode plan), per call.
     if cp is not None and (kv_lens is None or type(kv_lens) is cp.ndarray):
         # The steady state (ops/recall.py): no GPU query here; a recipe exists only after a call ran.
-        views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp))
-        # A user ``out`` only as a CuPy array: the general path returns other kinds as CuPy views
-        out_view = None if out is None or type(out) is not cp.ndarray else recall.view(out, cp)
-        lens_view = None if kv_lens is None else recall.view(kv_lens, cp)
-        if None not in views and len(views[0][1]) == 4 and len(views[1][1]) == 4 and len(views[2][1]) == 4 \
-                and (out is None or out_view is not None) and (bias is None or type(bias) is cp.ndarray):
-            # Scalars enter with their types: 2 and 2.0 (or 1 and True) are equal keys but not equally valid.
-            key = (*recall.signature(views if out_view is None else (*views, out_view), ()),
-                   out is None, id(bias), id(score_mod), causal, scale, return_lse, stages, fuse_mask, num_splits,
-                   type(causal), type(scale), type(return_lse), type(stages), type(fuse_mask), type(num_splits),
-                   None if lens_view is None else lens_view[1:])
+        key, views, out_view, lens_view = _steady_key(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod,
+                                                      fuse_mask, kv_lens, num_splits, cp)
+        if key is not None:
             mask = steady_mask(block_mask, causal, views[0][1][2], views[1][1][2])
             if mask is not None:
                 result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view),

@@ -134,11 +134,12 @@ class Recipe:
 
     def launch(self, *pointers: int) -> None:
         """Write ``pointers`` (in the recipe's pointer-field order) and launch on the current stream."""
-        buf = self.launcher.args()
-        self.slots.write(buf, pointers)
+        launcher = self.launcher
+        slot = launcher.slot()
+        self.slots.write(slot.view, pointers)
         if self.maps is not None:
-            self.maps(buf, pointers)
-        self.launcher.launch()
+            self.maps(slot.view, pointers)
+        launcher.fire(slot)
 
 
 #: Allocations a graph captured on some stream may still use (hold_if_capturing).
@@ -226,7 +227,8 @@ def view(x: Any, cp) -> Optional[tuple]:
     or None when that takes the general path (NumPy, another stream, a tensor that needs a
     gradient, anything unusual)."""
     if type(x) is cp.ndarray:
-        return x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id
+        data = x.data
+        return data.ptr, x.shape, x.strides, x.dtype, data.device_id
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return _torch_view(x, torch, cp)
@@ -312,9 +314,11 @@ def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, 
         return None
     if recipe is None:
         return None
-    (qp, shape, _, dtype, dev), (kp, *_, kdev), (vp, *_, vdev) = qkv
-    if (qp | kp | vp) % 16 or kdev != dev or vdev != dev or dev != cp.cuda.runtime.getDevice():
+    qv, kv, vv = qkv
+    qp, kp, vp, dev = qv[0], kv[0], vv[0], qv[4]
+    if (qp | kp | vp) % 16 or kv[4] != dev or vv[4] != dev or dev != cp.cuda.runtime.getDevice():
         return None
+    shape, dtype = qv[1], qv[3]
     if out_view is None:
         o = cp.ndarray(shape, dtype)
         op = o.data.ptr

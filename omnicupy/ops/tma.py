@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import arrays
@@ -149,10 +149,14 @@ def encode(ptr: int, layout: TensorLayout, box_rows: int) -> bytes:
 @dataclass(frozen=True)
 class MapWriter:
     """The tensor-map fields of one call signature: q, k, v layouts and boxes are fixed; the maps
-    follow the data pointers (encoded once per pointer, ``encode``'s cache)."""
+    follow the data pointers (encoded once per pointer, ``encode``'s cache). A steady-state call
+    writes the three maps as one 384-byte copy, looked up by its (q, k, v) pointers alone: hashing
+    the layouts for ``encode``'s cache on every call cost more than the rest of the write."""
 
     layouts: tuple[TensorLayout, TensorLayout, TensorLayout]
     boxes: tuple[int, int, int]
+    #: (q, k, v pointers) -> the three maps' bytes in field order; cleared when it reaches WRITER_CACHE_SIZE
+    _blobs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def make(cls, variant: Variant, q: Any, k: Any, v: Any, dtype: str) -> "MapWriter":
@@ -164,13 +168,24 @@ class MapWriter:
         return {name: encode(ptr, layout, box)
                 for name, ptr, layout, box in zip(_MAP_FIELDS, (q_ptr, k_ptr, v_ptr), self.layouts, self.boxes)}
 
-    def __call__(self, buf: bytearray, pointers: tuple[int, ...]) -> None:
+    def __call__(self, buf: Any, pointers: tuple[int, ...]) -> None:
         """Writes the maps of pointers (q, k, v, ...) into a packed FwdTmaParams."""
-        for name, blob in self.fields(*pointers[:3]).items():
-            buf[_MAP_OFFSETS[name]:_MAP_OFFSETS[name] + MAP_BYTES] = blob
+        key = pointers[:3]
+        blob = self._blobs.get(key)
+        if blob is None:
+            if len(self._blobs) >= WRITER_CACHE_SIZE:
+                self._blobs.clear()
+            blob = self._blobs[key] = b"".join(self.fields(*key).values())
+        buf[_MAPS_START:_MAPS_END] = blob
 
 
 _MAP_FIELDS = ("q_map", "k_map", "v_map")
-_MAP_OFFSETS = {name: FORWARD_TMA.offset(name) for name in _MAP_FIELDS}
+#: The three maps are adjacent fields of FwdTmaParams (checked here, once): one slice holds them.
+_MAPS_START = FORWARD_TMA.offset(_MAP_FIELDS[0])
+_MAPS_END = _MAPS_START + len(_MAP_FIELDS) * MAP_BYTES
+if [FORWARD_TMA.offset(n) for n in _MAP_FIELDS] != list(range(_MAPS_START, _MAPS_END, MAP_BYTES)):
+    raise ImportError("omnicupy: FwdTmaParams' tensor maps must be adjacent fields (q_map, k_map, v_map)")
+#: Pointer triples kept per MapWriter (one call signature); each entry 384 bytes plus its key.
+WRITER_CACHE_SIZE = 64
 
 __all__ = ["MapWriter", "TensorLayout", "TmaError", "available", "encode", "unusable"]
