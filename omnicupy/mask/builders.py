@@ -187,7 +187,8 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     ``mode``: how a mask_mod is called on the blocks it must be evaluated on: ``"broadcast"`` (index
     arrays, the contract of evaluate.py), ``"scalar"`` (one index a scalar at a time, for mask_mods
     written for flex's vmap), ``"auto"`` (broadcast, and the scalar mode when that fails)."""
-    check_mask_mod(mask_mod)
+    if not isinstance(mask_mod, MaskMod):  # a MaskMod's function was checked when it was made
+        check_mask_mod(mask_mod)
     mode = evaluate.check_mode(mode)
     Bm = 1 if B is None else _check_positive_int(B, "B")
     Hm = 1 if H is None else _check_positive_int(H, "H")
