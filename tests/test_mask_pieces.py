@@ -32,6 +32,12 @@ EXTRA = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def always_grouped(monkeypatch):
+    """Group cut blocks by key however few (the other test files build with the default)."""
+    monkeypatch.setattr(builders, "GROUP_CUT_BLOCKS_FROM", 0)
+
+
 def without_pieces(mod: masks.MaskMod) -> masks.MaskMod:
     """The same mask with its row bounds only: built by the row path."""
     return masks.MaskMod(mod.fn, mod.name, bounds=mod.bounds, bounds_exact=mod.bounds_exact, length=mod.length,

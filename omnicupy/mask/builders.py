@@ -58,6 +58,10 @@ CHUNK_ELEMENTS = 1 << 22
 #: 512 MB at most.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 
+#: Cut blocks from pieces are grouped by pattern key (pieces.py) from this many on; fewer are
+#: classified one by one (the grouping's fixed cost, some 30 NumPy calls, is more than their rows').
+GROUP_CUT_BLOCKS_FROM = 256
+
 #: mask_mods that took CuPy arrays once: ``_evaluation_module`` probes each only once (its probe
 #: is a handful of kernel launches, as many as a small build's whole evaluation).
 _TAKES_DEVICE_ARRAYS: "weakref.WeakSet[Callable]" = weakref.WeakSet()
@@ -361,7 +365,10 @@ class _Build:
         if not at.size:
             return
         q_block, kv0 = items.row[at] % self.nqb, items.kv[at] * self.kbs  # broadcast rows: (b, h) = (0, 0)
-        reps, group = group_cut_blocks(rows, q_block, kv0, self.kv_len, self.kbs)
+        if len(at) > GROUP_CUT_BLOCKS_FROM:
+            reps, group = group_cut_blocks(rows, q_block, kv0, self.kv_len, self.kbs)
+        else:  # few: classifying every one costs less than grouping them
+            reps = group = np.arange(len(at))
         start, end = rows.block_rows(q_block[reps])
         types, codes = cut_blocks(start, end, q_block[reps] * self.qbs, kv0[reps], self.q_len, self.kv_len, self.kbs)
         rep_ids = np.full(len(reps), -1, dtype=np.int64)
