@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from benchmarks import _cases  # noqa: E402
 from omnicupy import BlockMask, arrays, masks  # noqa: E402
-from omnicupy.mask import builders, kernels, patterns  # noqa: E402
+from omnicupy.mask import builders, kernels, patterns, pieces  # noqa: E402
 from omnicupy.mask.mask_mod import EVALUATE  # noqa: E402
 
 MASKS = ("causal", "sliding_window_1024", "document", "interleaved", "random_50", "random_10")
@@ -137,6 +137,10 @@ def peak_memory(build: Callable[[], Any], cp) -> int:
 #: (owner, attribute, step name): the builder steps timed by --steps.
 STEPS = [
     (builders._Build, "from_windows", "rows from the structure (all of it)"),
+    (masks.MaskMod, "_windows_from_pieces", "  windows from the pieces"),
+    (builders._Build, "_cut_blocks_from_pieces", "  cut blocks from the pieces"),
+    (builders, "group_cut_blocks", "    groups by pattern key"),
+    (pieces.BlockPieces, "block_rows", "    rows of one block per group"),
     (builders._Build, "_cut_blocks", "  cut blocks from row bounds"),
     (builders, "cut_blocks", "    types and codes"),
     (patterns.PatternPool, "add", "    pattern dedup"),

@@ -44,6 +44,7 @@ from .kernels import Backend, backend_for, precompile_specs
 from .layout import Items, device_table, items_from_runs, segments_of, summary_of, write_host
 from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, MaskMod, check_mask_mod, name_of
 from .patterns import PatternPool, cut_blocks
+from .pieces import BlockPieces, group_cut_blocks
 from .types import PARTIAL_WORD_BITS, BlockType, MaskFeatures, cdiv
 
 PARTIAL = int(BlockType.PARTIAL)
@@ -56,6 +57,10 @@ CHUNK_ELEMENTS = 1 << 22
 #: take the cut blocks of every built-in mask at N = 131072 at once, with int64 temporaries of
 #: 512 MB at most.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
+
+#: Cut blocks from pieces are grouped by pattern key (pieces.py) from this many on; fewer are
+#: classified one by one (the grouping's fixed cost, some 30 NumPy calls, is more than their rows').
+GROUP_CUT_BLOCKS_FROM = 256
 
 #: mask_mods that took CuPy arrays once: ``_evaluation_module`` probes each only once (its probe
 #: is a handful of kernel launches, as many as a small build's whole evaluation).
@@ -186,7 +191,8 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     ``mode``: how a mask_mod is called on the blocks it must be evaluated on: ``"broadcast"`` (index
     arrays, the contract of evaluate.py), ``"scalar"`` (one index a scalar at a time, for mask_mods
     written for flex's vmap), ``"auto"`` (broadcast, and the scalar mode when that fails)."""
-    check_mask_mod(mask_mod)
+    if not isinstance(mask_mod, MaskMod):  # a MaskMod's function was checked when it was made
+        check_mask_mod(mask_mod)
     mode = evaluate.check_mode(mode)
     Bm = 1 if B is None else _check_positive_int(B, "B")
     Hm = 1 if H is None else _check_positive_int(H, "H")
@@ -320,8 +326,10 @@ class _Build:
             kinds = np.stack(np.broadcast_arrays(np.int8(EVALUATE), np.int8(FULL), chunk.tail), axis=-1)
             items = items_from_runs(row_ids, chunk.first, lengths, kinds, split=EVALUATE)
             ids = np.full(len(items.row), -1, dtype=np.int64)
-            exact = exact and chunk.start is not None
-            if exact:
+            exact = exact and chunk.exact
+            if exact and chunk.pieces is not None:
+                self._cut_blocks_from_pieces(chunk.pieces, items, ids, pool)
+            elif exact:
                 self._cut_blocks(chunk, items, ids, pool)
             parts.append(items)
             pattern_ids.append(ids)
@@ -349,6 +357,25 @@ class _Build:
         items.kind[at] = types
         partial = types == PARTIAL
         ids[at[partial]] = pool.add(codes[partial])
+
+    def _cut_blocks_from_pieces(self, rows: BlockPieces, items: Items, ids: np.ndarray, pool: PatternPool) -> None:
+        """``_cut_blocks`` from the bounds' pieces: the cut blocks are grouped by their pattern's key
+        (pieces.py) and only one block of each group is written out as rows and classified."""
+        at = np.flatnonzero(items.kind == EVALUATE)
+        if not at.size:
+            return
+        q_block, kv0 = items.row[at] % self.nqb, items.kv[at] * self.kbs  # broadcast rows: (b, h) = (0, 0)
+        if len(at) > GROUP_CUT_BLOCKS_FROM:
+            reps, group = group_cut_blocks(rows, q_block, kv0, self.kv_len, self.kbs)
+        else:  # few: classifying every one costs less than grouping them
+            reps = group = np.arange(len(at))
+        start, end = rows.block_rows(q_block[reps])
+        types, codes = cut_blocks(start, end, q_block[reps] * self.qbs, kv0[reps], self.q_len, self.kv_len, self.kbs)
+        rep_ids = np.full(len(reps), -1, dtype=np.int64)
+        partial = types == PARTIAL
+        rep_ids[partial] = pool.add(codes[partial])
+        items.kind[at] = types[group]
+        ids[at] = rep_ids[group]
 
     def _exact(self, items: Items, ids: np.ndarray, pool: PatternPool, grid) -> BlockMask:
         partial = np.flatnonzero(items.kind == PARTIAL)

@@ -94,25 +94,61 @@ def segments_of(items: Items, n_rows: int) -> Segments:
 
 def write_host(seg: Segments) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """kv_num_blocks ``[rows]``, kv_indices, block_mask_types, partial indices ``[rows, maxB]`` (int32
-    NumPy; the last None without PARTIAL items): the slots run by run, each segment after a gap
-    (the previous row's slots past its count, all 0)."""
+    NumPy; the last None without PARTIAL items). Every output slot is written once or twice, with
+    one temporary of a byte per slot: the [rows, maxB] arrays are most of a large build's time."""
+    shape = (seg.rows, seg.max_blocks)
+    listed = _spread(seg, np.ones(len(seg.start), dtype=np.int8)).view(bool)
+    types = _spread(seg, seg.kind.astype(np.int32))
+    return (seg.counts.astype(np.int32), _indices(seg, listed).reshape(shape), types.reshape(shape),
+            None if seg.pidx is None else _partial_indices(seg).reshape(shape))
+
+
+def _spread(seg: Segments, values: np.ndarray) -> np.ndarray:
+    """``[rows * maxB]``: each segment's value over its slots, 0 in the gaps (a run-length decode)."""
     n_slots = seg.rows * seg.max_blocks
     counts = np.empty(2 * len(seg.start) + 1, dtype=np.int64)
     counts[0::2] = np.append(seg.start, n_slots) - np.insert(seg.end, 0, 0)
     counts[1::2] = seg.end - seg.start
+    runs = np.zeros(len(counts), dtype=values.dtype)
+    runs[1::2] = values
+    return np.repeat(runs, counts)
 
-    def spread(values, dtype=np.int32):
-        runs = np.zeros(len(counts), dtype=dtype)
-        runs[1::2] = values
-        return np.repeat(runs, counts)
 
-    dt = np.int32 if n_slots < 2**31 else np.int64
-    idx = spread(seg.offset, dt)
-    idx += np.arange(n_slots, dtype=dt)
-    idx *= spread(True, bool)
-    shape = (seg.rows, seg.max_blocks)
-    return (seg.counts.astype(np.int32), idx.astype(np.int32, copy=False).reshape(shape),
-            spread(seg.kind).reshape(shape), None if seg.pidx is None else spread(seg.pidx).reshape(shape))
+def _indices(seg: Segments, listed: np.ndarray) -> np.ndarray:
+    """kv_indices, flat: slot s of row r holds ``s + offset`` of its segment, 0 when not listed.
+    When every row's blocks are one run of kv blocks (its segments share one offset: the built-in
+    masks), row r is ``base[r] + s`` masked by ``listed``; else each segment's offset is spread."""
+    rows, maxb = seg.rows, seg.max_blocks
+    row = seg.start // maxb
+    contiguous = not len(row) or bool(np.all((seg.offset[1:] == seg.offset[:-1]) | (row[1:] != row[:-1])))
+    if not contiguous:
+        n_slots = rows * maxb
+        dt = np.int32 if n_slots < 2**31 else np.int64
+        idx = _spread(seg, seg.offset.astype(dt))
+        idx += np.arange(n_slots, dtype=dt)
+        idx *= listed
+        return idx.astype(np.int32, copy=False)
+    base = np.zeros(rows, dtype=np.int64)
+    base[row] = seg.offset + row * maxb  # the kv block of each row's slot 0
+    slot = np.arange(maxb, dtype=np.int32)
+    idx = np.empty((rows, maxb), dtype=np.int32)
+    if np.any(base):
+        np.add(base.astype(np.int32)[:, None], slot, out=idx)
+        np.multiply(idx, listed.reshape(rows, maxb), out=idx)
+    else:  # rows from kv block 0 (causal-like): one pass
+        np.multiply(slot, listed.reshape(rows, maxb), out=idx)
+    return idx.reshape(-1)
+
+
+def _partial_indices(seg: Segments) -> np.ndarray:
+    """partial_block_mask_indices, flat. Only PARTIAL segments (one block each) have a pool index
+    in the builds: zeros and one write per such block, not a pass over the slots."""
+    single = seg.end - seg.start == 1
+    if not np.all(single | (seg.pidx == 0)):
+        return _spread(seg, seg.pidx.astype(np.int32))
+    out = np.zeros(seg.rows * seg.max_blocks, dtype=np.int32)
+    out[seg.start[single]] = seg.pidx[single]
+    return out
 
 
 def device_table(seg: Segments) -> np.ndarray:

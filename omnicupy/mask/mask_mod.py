@@ -18,6 +18,7 @@ import numpy as np
 from .. import arrays
 from ..checks import check_int
 from ..errors import MaskError
+from .pieces import BlockPieces, Pieces, block_pieces
 from .types import BlockType, cdiv
 
 #: In types from ``block_rows``, PARTIAL means "cut by an interval end: evaluate the
@@ -59,8 +60,9 @@ class Windows:
     every allowed kv of the q block lies in kv blocks ``[first, first + width)``; of those (offsets
     from ``first``) blocks ``[0, after)`` and, when ``tail`` is EVALUATE, ``[before, width)`` are cut by
     an interval end (EVALUATE), ``[after, before)`` are FULL and, when ``tail`` is CAUSAL,
-    ``[before, width)`` are CAUSAL. For exact bounds ``start`` and ``end`` (``[Bs, Hs, n, qbs]``) are
-    the rows' intervals; rows past q_len repeat the last real row's."""
+    ``[before, width)`` are CAUSAL. For exact bounds either ``start`` and ``end`` (``[Bs, Hs, n, qbs]``)
+    are the rows' intervals (rows past q_len repeat the last real row's), or ``pieces`` holds them
+    piecewise (pieces.py; then one chunk holds every q block)."""
 
     q_start: int
     first: np.ndarray
@@ -70,6 +72,12 @@ class Windows:
     tail: np.ndarray
     start: Optional[np.ndarray] = None
     end: Optional[np.ndarray] = None
+    pieces: Optional[BlockPieces] = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether the rows' bounds are known exactly (so cut blocks need no evaluation)."""
+        return self.start is not None or self.pieces is not None
 
 
 class MaskMod:
@@ -84,12 +92,14 @@ class MaskMod:
     the number of batch rows it has data for (None: it does not depend on b). ``cuda_expr`` is the
     rule as a CUDA C expression, for fusion into the kernel. ``pointwise`` says that ``fn`` is known
     to be elementwise over broadcast index arrays (the built-in masks are), which spares the
-    builders their check of that.
+    builders their check of that. ``pieces`` (pieces.py, exact bounds only, the same for every b
+    and h) are the bounds again, by runs of rows: with them a build never computes the bounds row
+    by row.
     """
 
     def __init__(self, fn: Callable, name: Optional[str] = None, *, bounds: Optional[BoundsFn] = None,
                  bounds_exact: bool = True, length: Optional[int] = None, batch: Optional[int] = None,
-                 cuda_expr: Optional[str] = None, pointwise: bool = False) -> None:
+                 cuda_expr: Optional[str] = None, pointwise: bool = False, pieces: Optional[Pieces] = None) -> None:
         self.fn = check_mask_mod(fn)
         self.name = name or getattr(fn, "__name__", "mask_mod")
         self.__name__ = self.name  # flex-attention and attention-gym read __name__
@@ -100,6 +110,9 @@ class MaskMod:
         self.batch = batch
         self.cuda_expr = cuda_expr
         self.pointwise = pointwise
+        if pieces is not None and (bounds is None or not bounds_exact):
+            raise MaskError(f"mask_mod {self.name}: pieces stand for exact bounds, and it has none")
+        self.pieces = pieces
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx)
@@ -124,10 +137,20 @@ class MaskMod:
         O(N) in all."""
         if self.bounds is None:
             return None
+        if self.pieces is not None:
+            return iter([self._windows_from_pieces(q_len, kv_len, q_block_size, kv_block_size)])
         return self._windows(B, H, q_len, kv_len, q_block_size, kv_block_size)
 
+    def _windows_from_pieces(self, q_len, kv_len, qbs, kbs) -> Windows:
+        """Every q block's window from the pieces (O(pieces + q blocks), no row arrays)."""
+        rows = block_pieces(self.pieces, q_len, qbs)
+        lo_start, hi_start, lo_end, hi_end, diagonal = (a.reshape(1, 1, -1) for a in rows.extremes())
+        first, after, before, width = _window(lo_start, hi_start, lo_end, hi_end, kv_len, kbs)
+        tail = np.where(diagonal, CAUSAL, EVALUATE).astype(np.int8)
+        return Windows(0, first, after, before, width, tail, pieces=rows)
+
     def _windows(self, B, H, q_len, kv_len, qbs, kbs) -> Iterator[Windows]:
-        nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+        nqb = cdiv(q_len, qbs)
         blocks_per_chunk = max(1, BOUNDS_ELEMENTS_PER_CHUNK // (qbs * B * H))
         b, h = np.arange(B).reshape(-1, 1, 1), np.arange(H).reshape(1, -1, 1)
         for q_start in range(0, nqb, blocks_per_chunk):
@@ -140,17 +163,10 @@ class MaskMod:
             # Reduced over each bound's own shape (a scalar start is not n * qbs copies of itself).
             lo_start, hi_start, lo_end, hi_end = (np.broadcast_to(r, rows[:3]) for r in _row_extremes(start, end, n, qbs))
             start, end, q = (np.broadcast_to(a, shape).reshape(rows) for a in (start, end, q))
-            # The window: the blocks with a column in [lo_start, hi_end), the hull of the rows'
-            # intervals; the others are MASKED. Block k's columns are [k * kbs, min((k + 1) * kbs, kv_len)).
-            first = np.where(lo_start < kv_len, np.maximum(lo_start // kbs, 0), nkvb)
-            width = np.clip(-(-hi_end // kbs), first, nkvb) - first
+            first, after, before, width = _window(lo_start, hi_start, lo_end, hi_end, kv_len, kbs)
             if self.bounds_exact:
-                # In the window (offsets from `first`): blocks from `after` on begin at or after every
-                # row's start, blocks before `before` end before every row's end, so those in between
-                # are FULL. When every row ends at its diagonal (end = q + 1), the blocks from `before`
-                # on allow exactly q_idx >= kv_idx: CAUSAL. The rest are cut by a start or an end.
-                after = np.clip(-(-hi_start // kbs) - first, 0, width)
-                before = np.clip(np.where(lo_end >= kv_len, nkvb, lo_end // kbs) - first, after, width)
+                # When every row ends at its diagonal (end = q + 1), the blocks from `before` on
+                # allow exactly q_idx >= kv_idx: CAUSAL.
                 tail = np.where((end == q + 1).all(-1), CAUSAL, EVALUATE).astype(np.int8)
                 yield Windows(q_start, first, after, before, width, tail, start, end)
             else:
@@ -190,6 +206,23 @@ class MaskMod:
         b, h, q, s = np.nonzero(types)
         grid[b, h, q, first[b, h, q] + s] = types[b, h, q, s]
         return xp.asarray(grid)
+
+
+def _window(lo_start, hi_start, lo_end, hi_end, kv_len: int, kbs: int):
+    """``first``, ``after``, ``before``, ``width`` (see ``Windows``) of q blocks from their rows'
+    least and greatest start and end."""
+    nkvb = cdiv(kv_len, kbs)
+    # The window: the blocks with a column in [lo_start, hi_end), the hull of the rows'
+    # intervals; the others are MASKED. Block k's columns are [k * kbs, min((k + 1) * kbs, kv_len)).
+    first = np.where(lo_start < kv_len, np.maximum(lo_start // kbs, 0), nkvb)
+    width = np.clip(-(-hi_end // kbs), first, nkvb) - first
+    # In the window (offsets from `first`): blocks from `after` on begin at or after every row's
+    # start, blocks before `before` end before every row's end, so those in between are FULL (with
+    # exact bounds; inexact ones use the width only). The rest are cut by a start or an end, or
+    # CAUSAL (see the callers).
+    after = np.clip(-(-hi_start // kbs) - first, 0, width)
+    before = np.clip(np.where(lo_end >= kv_len, nkvb, lo_end // kbs) - first, after, width)
+    return first, after, before, width
 
 
 def _row_extremes(start: np.ndarray, end: np.ndarray, n: int, qbs: int):

@@ -26,6 +26,7 @@ from .. import arrays
 from ..errors import MaskError
 from .mask_mod import (EVALUATE, LookupTable, MaskMod, array_module_of, as_bool_result, check_mask_int,
                        check_mask_mod)
+from .pieces import Pieces
 
 # ------------------------------------------------------------------------------------- band masks
 def causal(offset: int = 0) -> MaskMod:
@@ -38,14 +39,14 @@ def causal(offset: int = 0) -> MaskMod:
             return q_idx >= kv_idx
 
         return MaskMod(causal, "causal", bounds=lambda b, h, q: (0, q + 1), cuda_expr="q_idx >= kv_idx",
-                       pointwise=True)
+                       pointwise=True, pieces=_band(0, 0, 1))
 
     def causal_offset(b, h, q_idx, kv_idx):
         """q_idx + offset >= kv_idx"""
         return q_idx + offset >= kv_idx
 
     return MaskMod(causal_offset, f"causal_offset_{offset}", bounds=lambda b, h, q: (0, q + offset + 1),
-                   cuda_expr=f"q_idx + ({offset}) >= kv_idx", pointwise=True)
+                   cuda_expr=f"q_idx + ({offset}) >= kv_idx", pointwise=True, pieces=_band(0, 0, offset + 1))
 
 
 def sliding_window(window: int) -> MaskMod:
@@ -58,7 +59,8 @@ def sliding_window(window: int) -> MaskMod:
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     return MaskMod(sliding_window, f"sliding_window_{window}", bounds=lambda b, h, q: (q - window + 1, q + 1),
-                   cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {window}", pointwise=True)
+                   cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {window}", pointwise=True,
+                   pieces=_band(1, 1 - window, 1))
 
 
 def local_window(left: int, right: int) -> MaskMod:
@@ -70,7 +72,8 @@ def local_window(left: int, right: int) -> MaskMod:
         return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
 
     return MaskMod(local_window, f"local_window_{left}_{right}", bounds=lambda b, h, q: (q - left, q + right + 1),
-                   cuda_expr=f"kv_idx >= q_idx - {left} && kv_idx <= q_idx + {right}", pointwise=True)
+                   cuda_expr=f"kv_idx >= q_idx - {left} && kv_idx <= q_idx + {right}", pointwise=True,
+                   pieces=_band(1, -left, right + 1))
 
 
 def prefix_lm(prefix_len: int) -> MaskMod:
@@ -82,8 +85,11 @@ def prefix_lm(prefix_len: int) -> MaskMod:
         """(kv_idx < prefix_len) | (q_idx >= kv_idx)"""
         return (kv_idx < prefix_len) | (q_idx >= kv_idx)
 
+    # end = max(prefix_len, q + 1): prefix_len on rows before it, then the diagonal.
+    pieces = (_band(0, 0, 1) if prefix_len == 0 else
+              Pieces.of([0, prefix_len], 0, 0, [prefix_len, prefix_len + 1], [0, 1]))
     return MaskMod(prefix_lm, f"prefix_lm_{prefix_len}", bounds=lambda b, h, q: (0, array_module_of(q).maximum(prefix_len, q + 1)),
-                   cuda_expr=f"kv_idx < {prefix_len} || q_idx >= kv_idx", pointwise=True)
+                   cuda_expr=f"kv_idx < {prefix_len} || q_idx >= kv_idx", pointwise=True, pieces=pieces)
 
 
 def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
@@ -103,7 +109,12 @@ def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
     return MaskMod(dilated_sliding_window, f"dilated_sliding_window_{window}_dilation_{dilation}",
                    bounds=lambda b, h, q: (q - span + 1, q + 1), bounds_exact=dilation == 1,
                    cuda_expr=f"q_idx >= kv_idx && q_idx - kv_idx < {span} && (q_idx - kv_idx) % {dilation} == 0",
-                   pointwise=True)
+                   pointwise=True, pieces=_band(1, 1 - span, 1) if dilation == 1 else None)
+
+
+def _band(start_slope: int, start: int, end: int) -> Pieces:
+    """One piece for every row: ``start(q) = start + start_slope * q``, ``end(q) = end + q``."""
+    return Pieces.of(0, start, start_slope, end, 1)
 
 
 # ---------------------------------------------------------------------------------- segment masks
@@ -139,7 +150,7 @@ def _documents(ids: np.ndarray, causal: bool, name: str) -> MaskMod:
 
     # Row bounds are the run of equal ids around q: exact only when every document is one
     # contiguous run (packed sequences); otherwise no structure and every block is evaluated.
-    bounds = None
+    bounds, pieces = None, None
     n_runs = 1 + np.count_nonzero(np.diff(ids, axis=-1), axis=-1)
     n_docs = 1 + np.count_nonzero(np.diff(np.sort(ids, axis=-1), axis=-1), axis=-1)
     if np.array_equal(n_runs, n_docs):
@@ -148,8 +159,13 @@ def _documents(ids: np.ndarray, causal: bool, name: str) -> MaskMod:
         def bounds(b, h, q):
             return run_start.lookup(b, q), q + 1 if causal else run_end.lookup(b, q)
 
+        if ids.ndim == 1:  # one piece per document (per-batch ids differ per b: their rows are computed)
+            first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+            last = np.append(first[1:], len(ids))
+            pieces = Pieces.of(first, first, 0, first + 1 if causal else last, 1 if causal else 0)
+
     return MaskMod(document, name, bounds=bounds, length=ids.shape[-1], batch=ids.shape[0] if ids.ndim == 2 else None,
-                   pointwise=True)
+                   pointwise=True, pieces=pieces)
 
 
 def document(doc_ids: Any, causal: bool = True) -> MaskMod:
@@ -195,8 +211,12 @@ def interleaved(segments: Sequence[tuple[str, int]]) -> MaskMod:
         return kv_idx < limit.lookup(b, q_idx)
 
     n_image = sum(kinds)
+    # One piece per segment: text rows end at their diagonal, image rows at the image's end.
+    starts, image = ends - np.asarray(sizes), np.asarray(kinds)
+    pieces = Pieces.of(starts, 0, 0, np.where(image, ends, starts + 1), np.where(image, 0, 1))
     return MaskMod(interleaved, f"interleaved_{len(sizes) - n_image}text_{n_image}image",
-                   bounds=lambda b, h, q: (0, limit.lookup(b, q)), length=int(ends[-1]), pointwise=True)
+                   bounds=lambda b, h, q: (0, limit.lookup(b, q)), length=int(ends[-1]), pointwise=True,
+                   pieces=pieces)
 
 
 def dense(mask: Any) -> MaskMod:

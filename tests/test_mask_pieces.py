@@ -1,0 +1,141 @@
+"""The built-in masks' piecewise bounds (mask/pieces.py) and the builds that use them: the pieces
+are the row bounds, and a build from the pieces lays out exactly what the row path, the generic
+path (every block evaluated) and the element-level rule say."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnicupy import masks
+from omnicupy.errors import MaskError
+from omnicupy.mask import builders, layout, pieces
+from omnicupy.reference import dense_mask_from_mod
+
+from mask_cases import MASK_CASES, alternating_segments, random_lengths
+
+METADATA = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
+WITH_PIECES = [pytest.param(f, id=i) for i, f in MASK_CASES if f(8, 8).pieces is not None]
+SIZES = [(1, 1), (77, 300), (300, 77), (1000, 1000), (1000, 333), (1025, 1025)]
+BLOCKS = [(64, 64), (128, 128), (64, 128), (128, 64), (16, 32)]
+
+# Masks whose pieces meet many block edges: tiny documents (several per q block), segments that
+# start inside blocks, windows wider than the rows, a bottom-right causal mask.
+EXTRA = [
+    pytest.param(lambda q, k: masks.document(masks.doc_ids_from_lengths(random_lengths(max(q, k), 1, 9, seed=5))),
+                 id="document_tiny"),
+    pytest.param(lambda q, k: masks.interleaved(alternating_segments(max(q, k), 3, 200)), id="interleaved_3_200"),
+    pytest.param(lambda q, k: masks.sliding_window(5000), id="sliding_window_5000"),
+    pytest.param(lambda q, k: masks.causal(k - q), id="causal_bottom_right"),
+    pytest.param(lambda q, k: masks.local_window(0, 700), id="local_window_0_700"),
+    pytest.param(lambda q, k: masks.prefix_lm(0), id="prefix_lm_0"),
+    pytest.param(lambda q, k: masks.dilated_sliding_window(70, 1), id="dilated_sliding_window_70_1"),
+]
+
+
+@pytest.fixture(autouse=True)
+def always_grouped(monkeypatch):
+    """Group cut blocks by key however few (the other test files build with the default)."""
+    monkeypatch.setattr(builders, "GROUP_CUT_BLOCKS_FROM", 0)
+
+
+def without_pieces(mod: masks.MaskMod) -> masks.MaskMod:
+    """The same mask with its row bounds only: built by the row path."""
+    return masks.MaskMod(mod.fn, mod.name, bounds=mod.bounds, bounds_exact=mod.bounds_exact, length=mod.length,
+                         batch=mod.batch, pointwise=mod.pointwise)
+
+
+def assert_same_metadata(got: BlockMask, want: BlockMask, what: str) -> None:
+    for name in METADATA:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), f"{what}: {name}"
+        if a is not None:
+            np.testing.assert_array_equal(a, b, err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("q_len", [1, 100, 1000, 4097])
+@pytest.mark.parametrize("factory", WITH_PIECES + EXTRA)
+def test_pieces_are_the_row_bounds(factory, q_len):
+    mod = factory(q_len, q_len)
+    start, end = mod.pieces.rows(q_len)
+    want_start, want_end = (np.broadcast_to(a, (q_len,)) for a in mod.bounds(0, 0, np.arange(q_len)))
+    np.testing.assert_array_equal(start, want_start)
+    np.testing.assert_array_equal(end, want_end)
+
+
+@pytest.mark.parametrize("qbs, kbs", BLOCKS, ids=str)
+@pytest.mark.parametrize("q_len, kv_len", SIZES, ids=str)
+@pytest.mark.parametrize("factory", WITH_PIECES + EXTRA)
+def test_builds_from_pieces_equal_the_row_path_and_the_generic_path(factory, q_len, kv_len, qbs, kbs):
+    mod = factory(q_len, kv_len)
+    sizes = dict(q_block_size=qbs, kv_block_size=kbs, xp=np)
+    got = builders.from_mask_mod(mod, None, None, q_len, kv_len, **sizes)
+    assert_same_metadata(got, builders.from_mask_mod(without_pieces(mod), None, None, q_len, kv_len, **sizes),
+                         "row path")
+    assert_same_metadata(got, builders.from_mask_mod(mod, None, None, q_len, kv_len, use_structure=False, **sizes),
+                         "generic path")
+    assert got.summary.counts == builders.from_mask_mod(without_pieces(mod), None, None, q_len, kv_len,
+                                                        **sizes).summary.counts
+
+
+@pytest.mark.parametrize("factory", WITH_PIECES + EXTRA)
+def test_builds_from_pieces_are_the_element_rule(factory):
+    q_len, kv_len = 700, 1100
+    mod = factory(q_len, kv_len)
+    bm = builders.from_mask_mod(mod, None, 2, q_len, kv_len, q_block_size=64, kv_block_size=32, xp=np)
+    np.testing.assert_array_equal(bm.to_dense()[0, 1], dense_mask_from_mod(mod, 1, 1, q_len, kv_len)[0, 0])
+
+
+def test_a_key_collision_falls_back_to_one_group_per_block(monkeypatch):
+    mod = masks.document(masks.doc_ids_from_lengths(random_lengths(3000, 20, 300, seed=2)))
+    want = builders.from_mask_mod(mod, None, None, 3000, 3000, q_block_size=64, kv_block_size=64, xp=np)
+    monkeypatch.setattr(pieces, "_mixed", lambda x: np.zeros_like(x))  # every block hashes alike
+    got = builders.from_mask_mod(mod, None, None, 3000, 3000, q_block_size=64, kv_block_size=64, xp=np)
+    assert_same_metadata(got, want, "collision")
+
+
+def test_cut_blocks_are_grouped_by_pattern():
+    """A sliding window's interior cut blocks all have one pattern: one representative."""
+    bp = pieces.block_pieces(masks.sliding_window(1024).pieces, 8192, 128)
+    q_block = np.arange(8, 64)
+    reps, group = pieces.group_cut_blocks(bp, q_block, (q_block - 8) * 128, 8192, 128)
+    assert len(reps) == 1 and np.all(group == 0)
+
+
+@pytest.mark.parametrize("args", [dict(q=[1], start=0, start_slope=0, end=1, end_slope=1),
+                                  dict(q=[0, 5, 5], start=0, start_slope=0, end=1, end_slope=1),
+                                  dict(q=0, start=0, start_slope=2, end=1, end_slope=1)], ids=str)
+def test_bad_pieces_are_refused(args):
+    with pytest.raises(MaskError):
+        pieces.Pieces.of(**args)
+
+
+def test_pieces_need_exact_bounds():
+    with pytest.raises(MaskError):
+        masks.MaskMod(lambda b, h, q, kv: q >= kv, "m", pieces=pieces.Pieces.of(0, 0, 0, 1, 1))
+
+
+@pytest.mark.parametrize("mod", [masks.or_masks(masks.sliding_window(40), lambda b, h, q_idx, kv_idx: kv_idx < 64),
+                                 masks.not_mask(masks.sliding_window(150))], ids=["or", "not"])
+def test_host_layout_of_rows_with_gaps(mod):
+    """Rows whose blocks are not one run (the spread path of write_host) against the block grid,
+    row by row."""
+    bm = builders.from_mask_mod(mod, None, None, 1000, 1000, q_block_size=32, kv_block_size=32, xp=np)
+    grid = bm.block_grid()[0, 0]
+    idx, types, nb = bm.kv_indices[0, 0], bm.block_mask_types[0, 0], bm.kv_num_blocks[0, 0]
+    for q, row in enumerate(grid):
+        listed = np.flatnonzero(row)
+        assert nb[q] == len(listed)
+        np.testing.assert_array_equal(idx[q], np.pad(listed, (0, idx.shape[1] - len(listed))))
+        np.testing.assert_array_equal(types[q], np.pad(row[listed], (0, idx.shape[1] - len(listed))))
+    assert any(np.any(np.diff(np.flatnonzero(row)) > 1) for row in grid)  # some row does have a gap
+
+
+def test_host_layout_spreads_pool_indices_of_long_segments():
+    """write_host keeps every segment's pool index, also on segments longer than one block."""
+    items = layout.Items(np.array([0, 0, 1]), np.array([0, 3, 1]), np.array([2, 1, 3]), np.array([2, 3, 1], np.int8),
+                         np.array([5, 7, 9], np.int32))
+    nb, idx, types, pidx = layout.write_host(layout.segments_of(items, 2))
+    np.testing.assert_array_equal(nb, [3, 3])
+    np.testing.assert_array_equal(idx, [[0, 1, 3], [1, 2, 3]])
+    np.testing.assert_array_equal(types, [[2, 2, 3], [1, 1, 1]])
+    np.testing.assert_array_equal(pidx, [[5, 5, 7], [9, 9, 9]])
