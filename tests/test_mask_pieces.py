@@ -8,7 +8,7 @@ import pytest
 
 from omnicupy import masks
 from omnicupy.errors import MaskError
-from omnicupy.mask import builders, layout, pieces
+from omnicupy.mask import builders, layout, mask_mod, pieces
 from omnicupy.reference import dense_mask_from_mod
 
 from mask_cases import MASK_CASES, alternating_segments, random_lengths
@@ -32,10 +32,15 @@ EXTRA = [
 ]
 
 
+PIECES_FROM_Q_BLOCKS = mask_mod.PIECES_FROM_Q_BLOCKS  # the default, before the fixture below sets 0
+
+
 @pytest.fixture(autouse=True)
 def always_grouped(monkeypatch):
-    """Group cut blocks by key however few (the other test files build with the default)."""
+    """Build from pieces and group cut blocks by key however few the q blocks and cut blocks (the
+    other test files build with the defaults)."""
     monkeypatch.setattr(builders, "GROUP_CUT_BLOCKS_FROM", 0)
+    monkeypatch.setattr(mask_mod, "PIECES_FROM_Q_BLOCKS", 0)
 
 
 def without_pieces(mod: masks.MaskMod) -> masks.MaskMod:
@@ -139,3 +144,14 @@ def test_host_layout_spreads_pool_indices_of_long_segments():
     np.testing.assert_array_equal(idx, [[0, 1, 3], [1, 2, 3]])
     np.testing.assert_array_equal(types, [[2, 2, 3], [1, 1, 1]])
     np.testing.assert_array_equal(pidx, [[5, 5, 7], [9, 9, 9]])
+
+
+@pytest.mark.parametrize("q_len, from_pieces", [
+    pytest.param(128 * (PIECES_FROM_Q_BLOCKS - 1), False, id="below-the-threshold-rows"),
+    pytest.param(128 * PIECES_FROM_Q_BLOCKS, True, id="at-the-threshold-pieces"),
+])
+def test_builds_take_pieces_from_the_threshold_on(monkeypatch, q_len, from_pieces):
+    """Few q blocks take the row path (measured faster there), many the pieces."""
+    monkeypatch.setattr(mask_mod, "PIECES_FROM_Q_BLOCKS", PIECES_FROM_Q_BLOCKS)
+    chunks = list(masks.sliding_window(1024).windows(1, 1, q_len, q_len, 128, 128))
+    assert (chunks[0].pieces is not None) is from_pieces

@@ -31,6 +31,10 @@ BoundsFn = Callable[[Any, Any, Any], tuple]
 #: Rows (times batch rows, times heads) whose bounds are computed at once: bounds the structure's
 #: working memory (a few int64 arrays of this many elements) whatever N is.
 BOUNDS_ELEMENTS_PER_CHUNK = 1 << 21
+#: Builds take a MaskMod's pieces from this many q blocks on; below it the row path. On the lent
+#: H200 (NOTES.md §17) pieces were 1.4-1.9x faster at 1024 q blocks (N = 131072) and 1.3-1.8x
+#: slower at 64 (N = 8192), where the rows are few and the pieces' extra NumPy calls dominate.
+PIECES_FROM_Q_BLOCKS = 256
 
 
 def check_mask_mod(fn: Any, what: str = "mask_mod") -> Callable:
@@ -137,7 +141,7 @@ class MaskMod:
         O(N) in all."""
         if self.bounds is None:
             return None
-        if self.pieces is not None:
+        if self.pieces is not None and cdiv(q_len, q_block_size) >= PIECES_FROM_Q_BLOCKS:
             return iter([self._windows_from_pieces(q_len, kv_len, q_block_size, kv_block_size)])
         return self._windows(B, H, q_len, kv_len, q_block_size, kv_block_size)
 
