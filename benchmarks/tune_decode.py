@@ -23,11 +23,8 @@ heuristic, which counts CTAs per SM from the tile's shared memory, unless a cand
   w2s3_fused    w2s3 + fused
   splits_x2     base with twice the heuristic's splits (more waves)
   splits_half   base with half of them (fewer partials)
-  affine        base, rows of each half tile addressed from its first key (a contiguous cache, or
-                pages of a multiple of 16 keys) instead of one shuffled address per row
-                (decode.AFFINE_ROWS)
-Paged candidates (--paged): base, affine and w2s3_fused_affine on page sizes 16 and 64
-(name/ps16, name/ps64).
+Paged candidates (--paged): base, fused and w2s3_fused on page sizes 16 and 64 (name/ps16,
+name/ps64).
 With --nq 16 (GQA 4 x 16 positions: 64-row m tiles of 4 row warps per kv group; shipped 8 warps,
 3 stages = 2 kv groups, 218 KB):
   w4s3          one kv group, 3 stages (70 KB: 3 CTAs/SM)
@@ -58,7 +55,6 @@ class Candidate:
     tile: Optional[tuple[int, int]] = None  # (warps, stages) of the cell's m tile; None: shipped
     fused: bool = False
     split_scale: float = 1.0
-    affine: bool = False  # decode.AFFINE_ROWS
 
 
 CANDIDATES = {c.name: c for c in (
@@ -69,8 +65,6 @@ CANDIDATES = {c.name: c for c in (
     Candidate("w3s2", tile=(3, 2)),
     Candidate("w1s4", tile=(1, 4)),
     Candidate("w2s3_fused", tile=(2, 3), fused=True),
-    Candidate("affine", affine=True),
-    Candidate("w2s3_fused_affine", tile=(2, 3), fused=True, affine=True),
     Candidate("splits_x2", split_scale=2.0),
     Candidate("splits_half", split_scale=0.5),
     # --nq 16 (64-row m tiles: 4 row warps per kv group)
@@ -79,10 +73,9 @@ CANDIDATES = {c.name: c for c in (
     Candidate("w8s2", tile=(8, 2)),
 )}
 #: The default candidates per Nq (the 64-row ones make no 16-row tile and the reverse).
-DEFAULT_CANDIDATES = {1: ("base", "fused", "w4s2", "w2s3", "w3s2", "w1s4", "w2s3_fused", "affine", "splits_x2",
-                         "splits_half"),
+DEFAULT_CANDIDATES = {1: ("base", "fused", "w4s2", "w2s3", "w3s2", "w1s4", "w2s3_fused", "splits_x2", "splits_half"),
                       16: ("base", "fused", "w4s3", "w4s4", "w8s2", "splits_x2")}
-PAGED_CANDIDATES = ("base", "affine", "w2s3_fused_affine")
+PAGED_CANDIDATES = ("base", "fused", "w2s3_fused")
 
 
 class Setup:
@@ -95,7 +88,6 @@ class Setup:
         self.br = br
         self.shipped = dict(decode.DECODE_TILES)
         self.fused = decode.FUSED_COMBINE
-        self.affine = decode.AFFINE_ROWS
 
     def apply(self, cand: Candidate) -> None:
         d = self.decode
@@ -104,12 +96,10 @@ class Setup:
         if cand.tile is not None:
             d.DECODE_TILES[(D, self.br)] = cand.tile
         d.FUSED_COMBINE = cand.fused
-        d.AFFINE_ROWS = cand.affine
 
     def restore(self) -> None:
         self.apply(Candidate("base"))
         self.decode.FUSED_COMBINE = self.fused
-        self.decode.AFFINE_ROWS = self.affine
 
     def splits(self, cand: Candidate, cache: bd.Cache, page_size: Optional[int]) -> Optional[int]:
         """None (the heuristic), or the heuristic's count scaled by the candidate."""

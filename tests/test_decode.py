@@ -444,32 +444,3 @@ def test_plan_follows_the_tile_table(monkeypatch):
     after = decode.plan_split_kv(**kw)
     assert (before.split.variant.warps, after.split.variant.warps) == (4, 2)
     assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
-
-
-
-@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 256])
-def test_affine_row_addresses_match_per_row_addresses(page_size):
-    """kernels/decode_split.cuh issue_async_affine, emulated: for tiles that start at multiples of 32,
-    row r's (page, slot) from its half's first row (lanes 0 and 16) equals its own lookup whenever
-    the row exists, and a half whose first row does not exist has no row that does."""
-    rng = np.random.default_rng(page_size)
-    length = 1000
-    pages = -(-length // page_size)
-    table = rng.permutation(pages + 5)[:pages]
-    table[rng.integers(0, pages)] = -7  # one bad page id: its keys do not exist
-
-    def lookup(key):
-        if key >= length:
-            return None
-        page = table[key // page_size]
-        return None if page < 0 else (int(page), key % page_size)
-
-    for start in range(0, length + 64, 32):
-        rows = [lookup(start + r) for r in range(32)]
-        for half in (0, 16):
-            first = rows[half]
-            for r in range(half, half + 16):
-                if rows[r] is None:
-                    continue
-                assert first is not None, f"page {page_size}, tile {start}: row {r} exists, its half's first not"
-                assert rows[r] == (first[0], first[1] + r - half), f"page {page_size}, tile {start}, row {r}"

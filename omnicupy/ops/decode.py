@@ -57,12 +57,6 @@ ERROR_KV_LEN, ERROR_PAGE = 1, 2
 #: plan. On: benchmarks/tune_decode.py on the H200 (fp16, D = 128, Hq 32 / Hkv 8, Nq 1) measured
 #: +11 % / +4 % / +3 % at B = 1 x 8k / 32k / 128k and within 1 % of the two-launch merge elsewhere.
 FUSED_COMBINE = True
-#: With a contiguous cache or page sizes that are multiples of 16, each half (16 rows) of a kv tile
-#: lies in one page: it takes one address and steps rows by the slot stride, instead of one address
-#: per row shuffled from its lane (kernels/decode_split.cuh issue_async_affine; head_dim <= 128).
-#: Off: measured no gain on the contiguous cache and pages of 16 and 64 (tune_decode.py, H200:
-#: within 1 % of per-row addresses on most cells, 4 % slower at B = 8 x 128k).
-AFFINE_ROWS = False
 
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
 #: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
@@ -590,7 +584,6 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 or plan.fused else None,
         "part_o": part_o, "part_ml": part_ml,
         "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
-        "affine_rows": int(AFFINE_ROWS),
         "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
         "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
@@ -626,4 +619,4 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
 
 __all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention",
            "plan_split_kv", "launch", "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS",
-           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE", "AFFINE_ROWS"]
+           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE"]
