@@ -86,15 +86,14 @@ class Setup:
 
         self.decode = decode
         self.br = br
-        self.shipped = dict(decode.DECODE_TILES)
+        self.shipped = decode.DECODE_TILES
         self.fused = decode.FUSED_COMBINE
 
     def apply(self, cand: Candidate) -> None:
+        # Both are part of the decode's plan cache and steady-state keys (decode.settings()): a
+        # candidate never replays another one's launch.
         d = self.decode
-        d.DECODE_TILES.clear()
-        d.DECODE_TILES.update(self.shipped)
-        if cand.tile is not None:
-            d.DECODE_TILES[(D, self.br)] = cand.tile
+        d.DECODE_TILES = self.shipped if cand.tile is None else self.shipped.updated({(D, self.br): cand.tile})
         d.FUSED_COMBINE = cand.fused
 
     def restore(self) -> None:

@@ -435,12 +435,33 @@ def test_fused_combine_plans_no_combine_kernel(splits, fused, want_fused):
     assert ("last CTA" in str(plan)) == want_fused
 
 
-def test_plan_follows_the_tile_table(monkeypatch):
-    """Tuning tools change DECODE_TILES between calls: the cached plan must follow."""
+@pytest.mark.parametrize("name,value,what,want", [
+    pytest.param("DECODE_TILES", decode.DECODE_TILES.updated({(128, 16): (2, 3)}),
+                 lambda p: p.split.variant.warps, (4, 2), id="tile-table"),
+    pytest.param("FUSED_COMBINE", False, lambda p: (p.fused, p.combine is None), ((True, True), (False, False)),
+                 id="fused-combine"),
+    pytest.param("MIN_TILES_PER_GROUP", 64, lambda p: p.num_splits > 1, (True, False), id="min-tiles-per-group"),
+    pytest.param("MAX_SPLITS", 2, lambda p: p.num_splits <= 2, (False, True), id="max-splits"),
+])
+def test_plan_follows_the_tunables(monkeypatch, name, value, what, want):
+    """Tuning tools and tests change the module's tunables between calls (decode.settings()): the
+    cached plan must follow each of them."""
     kw = dict(head_dim=128, dtype="fp16", batch=1, heads=32, kv_heads=8, q_len=1, longest=8192,
               rows=decode.pack_rows(4, 1), rule=decode.Rule(causal=True, bottom_right=True), arch="sm_90")
     before = decode.plan_split_kv(**kw)
-    monkeypatch.setitem(decode.DECODE_TILES, (128, 16), (2, 3))
+    monkeypatch.setattr(decode, name, value)
     after = decode.plan_split_kv(**kw)
-    assert (before.split.variant.warps, after.split.variant.warps) == (4, 2)
-    assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
+    assert (what(before), what(after)) == want
+    if name == "DECODE_TILES":
+        assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
+
+
+def test_tile_table_is_read_only_and_hashable():
+    """DECODE_TILES is part of hashed keys (decode.settings()): changed by rebinding, never in place."""
+    table = decode.DECODE_TILES
+    changed = table.updated({(128, 16): (2, 3)})
+    assert table[(128, 16)] == (4, 3) and changed[(128, 16)] == (2, 3) and len(changed) == len(table)
+    assert changed != table and changed == decode.TileTable({**dict(table), (128, 16): (2, 3)})
+    assert hash(changed) == hash(decode.TileTable(dict(changed))) and {changed: 1}[decode.TileTable(dict(changed))] == 1
+    with pytest.raises(TypeError):
+        table[(128, 16)] = (2, 3)

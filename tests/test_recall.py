@@ -73,3 +73,64 @@ def test_steady_mask(block_mask, causal, q_len, kv_len, expected):
                 "bottom_right": i + (kv_len - q_len) >= j}[expected]
         assert isinstance(got, BlockMask) and np.array_equal(np.asarray(got.to_dense()).reshape(q_len, kv_len), want)
         assert steady_mask(None, causal, q_len, kv_len) is got  # built once per (mode, sizes)
+
+
+# ------------------------------------------------------------------------- decode steady-state keys
+class _DeviceArray:
+    """What recall.view reads of a CuPy array (pointer, shape, strides, dtype, device)."""
+
+    def __init__(self, ptr, shape, dtype=F16):
+        self.data = type("D", (), {"ptr": ptr, "device_id": 0})()
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.strides = np.empty(shape, self.dtype).strides
+
+
+_CP = type("FakeCupy", (), {"ndarray": _DeviceArray})
+
+
+def _attention_key():
+    from omnicupy.ops import forward
+
+    q, k, v = (_DeviceArray(0x10000 * i, shape) for i, shape in ((1, (2, 32, 1, 128)), (2, (2, 8, 4096, 128)),
+                                                                 (3, (2, 8, 4096, 128))))
+    lens = _DeviceArray(0x40000, (2,), np.int32)
+    key, mask, *_ = forward._steady_key(q, k, v, None, lens, None, True, None, None, None, False, None, False, None,
+                                        _CP)
+    assert mask is not None
+    return key
+
+
+def _paged_key():
+    from omnicupy.ops import paged
+
+    arrays_in = (_DeviceArray(0x10000, (2, 32, 1, 128)), _DeviceArray(0x20000, (64, 16, 8, 128)),
+                 _DeviceArray(0x30000, (64, 16, 8, 128)), _DeviceArray(0x40000, (2, 32), np.int32),
+                 _DeviceArray(0x50000, (2,), np.int32))
+    key, _ = paged._steady_key(arrays_in, None, (True, None, None, 0, False, "NHD", None, True), _CP)
+    return key
+
+
+def _tunables():
+    from omnicupy.ops import decode
+
+    return [("FUSED_COMBINE", not decode.FUSED_COMBINE), ("DECODE_MAX_ROWS", 16),
+            ("DECODE_TILES", decode.DECODE_TILES.updated({(128, 16): (2, 3)})), ("MIN_TILES_PER_GROUP", 4),
+            ("MAX_SPLITS", 64), ("WAVE_TOLERANCE", 0.9), ("RAGGED_WAVES", 2), ("RAGGED_MIN_KEYS", 4096),
+            ("COMBINE_WARPS", 8)]
+
+
+@pytest.mark.parametrize("make_key", [pytest.param(_attention_key, id="attention"), pytest.param(_paged_key, id="paged")])
+@pytest.mark.parametrize("name,value", [pytest.param(n, v, id=n) for n, v in _tunables()])
+def test_decode_steady_key_follows_the_tunables(monkeypatch, make_key, name, value):
+    """A decode tunable changed between two calls (ops/decode.settings(): what the plan depends on
+    beside the call) must not replay the recipe planned under the old value: the key changes, and
+    comes back when the value does."""
+    from omnicupy.ops import decode
+
+    first = make_key()
+    assert make_key() == first  # same call, same tunables: the recipe is found
+    old = getattr(decode, name)
+    monkeypatch.setattr(decode, name, value)
+    assert make_key() != first
+    monkeypatch.setattr(decode, name, old)
+    assert make_key() == first

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -58,16 +59,52 @@ ERROR_KV_LEN, ERROR_PAGE = 1, 2
 #: +11 % / +4 % / +3 % at B = 1 x 8k / 32k / 128k and within 1 % of the two-launch merge elsewhere.
 FUSED_COMBINE = True
 
+
+
+class TileTable(Mapping):
+    """DECODE_TILES' type: a read-only mapping, hashed once, so that the plan cache and the
+    steady-state keys can hold the table itself (settings()). Tuning tools change it by rebinding:
+    ``decode.DECODE_TILES = decode.DECODE_TILES.updated({(128, 16): (2, 3)})``."""
+
+    __slots__ = ("_entries", "_hash")
+
+    def __init__(self, entries: Mapping) -> None:
+        self._entries = dict(entries)
+        self._hash = hash(frozenset(self._entries.items()))
+
+    def __getitem__(self, key):
+        return self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self._entries == dict(other) if isinstance(other, Mapping) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TileTable({self._entries!r})"
+
+    def updated(self, entries: Mapping) -> "TileTable":
+        """A new table: this one with ``entries`` added or replaced."""
+        return TileTable({**self._entries, **dict(entries)})
+
+
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
 #: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
 #: 227 KB; plan_split_kv trims stages, then kv groups, where the arch has less.
-DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {
+DECODE_TILES = TileTable({
     (32, 16): (4, 4), (32, 32): (4, 4), (32, 64): (8, 4),
     (64, 16): (4, 4), (64, 32): (4, 4), (64, 64): (8, 3),
     (96, 16): (4, 3), (96, 32): (4, 3), (96, 64): (8, 3),
     (128, 16): (4, 3), (128, 32): (4, 3), (128, 64): (8, 3),
     (256, 16): (2, 3), (256, 32): (4, 3), (256, 64): (4, 3),
-}
+})
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -237,17 +274,22 @@ def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads
     longest = 1 << max(longest - 1, 0).bit_length()
     fused = FUSED_COMBINE if fused_combine is None else bool(fused_combine)
     return _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features,
-                          score_expr, num_splits, ragged, arch, _sms(num_sms), why, fused, _tiles_key())
+                          score_expr, num_splits, ragged, arch, _sms(num_sms), why, fused, settings())
 
 
-def _tiles_key() -> tuple:
-    """DECODE_TILES as a cache key: tuning tools may change the table between calls."""
-    return tuple(DECODE_TILES.items())
+def settings() -> tuple:
+    """What a plan depends on beside the call, read now: this module's tunables. Tuning tools and
+    tests change them between calls, so the plan cache and the steady-state keys (ops/forward.py,
+    ops/paged.py) include them: a changed tunable plans anew instead of replaying an old launch.
+    DECODE_MAX_ROWS decides whether attention() takes the decode kernel at all."""
+    return (FUSED_COMBINE, DECODE_MAX_ROWS, MAX_SPLITS, MIN_TILES_PER_GROUP, WAVE_TOLERANCE, RAGGED_WAVES,
+            RAGGED_MIN_KEYS, COMBINE_WARPS, DECODE_TILES)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features, score_expr,
-                   num_splits, ragged, arch, sms, why, fused=False, tiles=()) -> DecodePlan:
+                   num_splits, ragged, arch, sms, why, fused=False, tunables=()) -> DecodePlan:
+    # ``tunables`` (settings()) is only part of the cache key: the body reads the module's values.
     if rule is not None:
         causal, partial = rule.causal or rule.window > 0, False
     else:
@@ -619,4 +661,4 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
 
 __all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention",
            "plan_split_kv", "launch", "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS",
-           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE"]
+           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE", "TileTable", "settings"]

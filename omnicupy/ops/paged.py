@@ -205,7 +205,8 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
 
 def _steady_key(arrays_in: tuple, out: Any, scalars: tuple, cp) -> tuple[Optional[tuple], Optional[tuple]]:
     """(key, views of q, k_pages, v_pages, page_table, kv_lens[, out]) of a call the steady state may
-    serve, or (None, None). Scalars enter with their types (2 and 2.0 are equal keys)."""
+    serve, or (None, None). Scalars enter with their types (2 and 2.0 are equal keys); the decode's
+    tunables (decode.settings()) decide the plan, so they are part of the key too."""
     views = tuple(recall.view(x, cp) for x in arrays_in)
     out_view = None
     if out is not None:
@@ -215,7 +216,7 @@ def _steady_key(arrays_in: tuple, out: Any, scalars: tuple, cp) -> tuple[Optiona
     if None in views:
         return None, None
     all_views = views if out_view is None else (*views, out_view)
-    key = (*recall.signature(all_views, ()), *scalars, *map(type, scalars))
+    key = (*recall.signature(all_views, ()), *scalars, *map(type, scalars), *decode.settings())
     try:
         hash(key)
     except TypeError:  # an unhashable argument: the general path says what is wrong

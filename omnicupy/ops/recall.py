@@ -15,7 +15,8 @@ whose DLPack exchange orders the streams.
 
 The dispatch switches (OMNICUPY_MMA, OMNICUPY_SCHEDULE) are part of the key and read on every
 call, from ``os.environ``'s own mapping (no decoding): a change through ``os.environ`` takes effect
-on the next call, as on the general path.
+on the next call, as on the general path. So are the decode's tunables (ops/decode.settings(),
+added by the decode callers): a tunable changed between calls plans anew.
 
 Knows arrays' layouts and struct offsets; decides nothing (ops/forward.py, ops/backward.py do).
 """
