@@ -134,3 +134,38 @@ def test_decode_steady_key_follows_the_tunables(monkeypatch, make_key, name, val
     assert make_key() != first
     monkeypatch.setattr(decode, name, old)
     assert make_key() == first
+
+
+# ------------------------------------------------------------------------------------ recipe stores
+@pytest.mark.parametrize("limit,puts,want", [
+    pytest.param(3, ["a", "b", "c"], ["a", "b", "c"], id="up-to-the-limit"),
+    pytest.param(3, ["a", "b", "c", "a"], ["a", "b", "c"], id="known-key-replaced-in-place"),
+    pytest.param(3, ["a", "b", "c", "d"], ["d"], id="full-cleared-for-a-new-key"),
+    pytest.param(3, ["a", "b", "c", "d", "e", "f", "g"], ["g"], id="cleared-again"),
+    pytest.param(2, ["a", ["unhashable"], "b"], ["a", "b"], id="unhashable-never-stored"),
+])
+def test_recipe_store_is_bounded(limit, puts, want):
+    store = recall.RecipeStore(limit)
+    for i, key in enumerate(puts):
+        store.put(key, i)
+        assert len(store) <= limit
+    assert list(store) == want
+    assert [store.get(k) for k in want] == [len(puts) - 1 - puts[::-1].index(k) for k in want]
+    assert store.get(["unhashable"]) is None and ["unhashable"] not in store
+
+
+def test_masks_and_paged_share_one_bounded_store():
+    """A BlockMask gets its RecipeStore with its first recipe; paged_attention keeps one of the same
+    kind; both hold at most MAX_RECIPES."""
+    from omnicupy import BlockMask
+    from omnicupy.ops import paged
+
+    bm = BlockMask.causal(256, 256)
+    assert recall.recipe_for(bm, ("k", 0)) is None
+    recipe = recall.ChainRecipe(steps=(), scratch=(), scratch_bytes=0, keep=())
+    for i in range(recall.MAX_RECIPES + 1):
+        recall.remember(bm, ("k", i), recipe, "alive")
+    store = recall.store_of(bm)
+    assert type(store) is type(paged._recipes) is recall.RecipeStore
+    assert store.limit == paged._recipes.limit == recall.MAX_RECIPES
+    assert len(store) == 1 and recall.recipe_for(bm, ("k", recall.MAX_RECIPES)).keep == ("alive",)

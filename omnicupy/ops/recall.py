@@ -41,8 +41,8 @@ from ..mask import BlockMask
 #: The forward's per-call pointer fields: everything else in the struct is fixed by the call's signature.
 POINTER_FIELDS = ("q", "k", "v", "o", "lse")
 _POINTER = struct.Struct("<Q")
-#: Recipes kept per mask (on the BlockMask object, so they go with it).
-MAX_RECIPES_PER_MASK = 64
+#: Recipes one RecipeStore keeps (each BlockMask's, paged_attention()'s).
+MAX_RECIPES = 64
 #: Environment switches that change the plan; read raw per call (parsed on the general path).
 SWITCHES = ("OMNICUPY_MMA", "OMNICUPY_SCHEDULE")
 _TYPESTRS = {"<f2": np.dtype(np.float16), "<f4": np.dtype(np.float32)}
@@ -307,10 +307,7 @@ def _same_device(views, cp) -> Optional[int]:
 def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, cp, kv_lens_view=None):
     """Launch from the mask's recipe for ``key``; None when there is none or the pointers do not
     allow it (misaligned, on another device): then the general path runs."""
-    try:
-        recipe = bm._recipes.get(key)
-    except TypeError:  # an unhashable argument: the general path says what is wrong
-        return None
+    recipe = recipe_for(bm, key)
     if recipe is None:
         return None
     (qp, shape, _, dtype, dev), (kp, *_, kdev), (vp, *_, vdev) = qkv
@@ -358,28 +355,76 @@ def overlaps(view: tuple, others: Sequence[tuple]) -> bool:
     return False
 
 
+class RecipeStore:
+    """Steady-state recipes by call signature, at most ``limit`` of them: when full, the store is
+    cleared before a new signature goes in, so that a workload of ever-new signatures plans again
+    instead of keeping every launch (and the arrays its struct points at) alive. A key that cannot
+    be hashed is never stored nor found: the general path says what is wrong with such a call.
+    One per BlockMask (made with its first recipe, store_of: the recipes go with the mask) and one
+    for paged_attention(), which has no mask to keep them on."""
+
+    __slots__ = ("limit", "_recipes")
+
+    def __init__(self, limit: int = MAX_RECIPES) -> None:
+        self.limit = limit
+        self._recipes: dict = {}
+
+    def get(self, key: Any) -> Optional[Any]:
+        try:
+            return self._recipes.get(key)
+        except TypeError:
+            return None
+
+    def put(self, key: Any, recipe: Any) -> None:
+        try:
+            known = key in self._recipes
+        except TypeError:
+            return
+        if not known and len(self._recipes) >= self.limit:
+            self._recipes.clear()
+        self._recipes[key] = recipe
+
+    def clear(self) -> None:
+        self._recipes.clear()
+
+    def __len__(self) -> int:
+        return len(self._recipes)
+
+    def __iter__(self):
+        return iter(self._recipes)
+
+    def __contains__(self, key: Any) -> bool:
+        return self.get(key) is not None
+
+    def values(self):
+        return self._recipes.values()
+
+    def items(self):
+        return self._recipes.items()
+
+
+def store_of(bm: BlockMask) -> RecipeStore:
+    """The mask's recipe store, made on first use (the mask module knows nothing of recipes)."""
+    store = bm._recipes
+    if store is None:
+        store = bm._recipes = RecipeStore()
+    return store
+
+
 def recipe_for(bm: BlockMask, key: Optional[tuple]) -> Optional[Recipe]:
     """The mask's recipe for ``key``, or None (also for an unhashable key)."""
-    if key is None:
+    store = bm._recipes
+    if store is None or key is None:
         return None
-    try:
-        return bm._recipes.get(key)
-    except TypeError:
-        return None
+    return store.get(key)
 
 
 def remember(bm: BlockMask, key: Optional[tuple], recipe: Recipe, *alive: Any) -> None:
     """Keep ``recipe`` for ``key`` on the mask; ``alive``: objects the key names by identity."""
-    if key is None:
-        return
-    try:
-        hash(key)
-    except TypeError:
-        return
-    if len(bm._recipes) >= MAX_RECIPES_PER_MASK:
-        bm._recipes.clear()
-    bm._recipes[key] = replace(recipe, keep=recipe.keep + alive)
+    if key is not None:
+        store_of(bm).put(key, replace(recipe, keep=recipe.keep + alive))
 
 
-__all__ = ["CALL_FIELDS", "ChainRecipe", "POINTER_FIELDS", "PointerSlots", "Recipe", "SWITCHES", "hold_if_capturing",
-           "launch_if_known", "overlaps", "recipe_for", "release_captured", "remember", "signature", "switches", "view"]
+__all__ = ["CALL_FIELDS", "ChainRecipe", "MAX_RECIPES", "POINTER_FIELDS", "PointerSlots", "Recipe", "RecipeStore",
+           "SWITCHES", "hold_if_capturing", "launch_if_known", "overlaps", "recipe_for", "release_captured", "remember",
+           "signature", "store_of", "switches", "view"]
