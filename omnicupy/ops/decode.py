@@ -35,6 +35,7 @@ from ..dispatch.params import COMBINE, DECODE
 from ..dispatch.plan import Plan
 from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant, tile_head_dim
 from ..errors import ArgumentError, KVCacheError
+from ..jit.launch import KernelLaunch, Launcher
 from ..mask import BlockMask, cdiv, expressions
 from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
                      device_out, on_device, require_gpu)
@@ -594,19 +595,21 @@ SCRATCH_FIELDS = ("part_o", "part_ml")
 
 def _call(kernel: Any, grid: tuple, block: tuple, params: Any, fields: dict, shared_mem: int,
           record: Optional[list]) -> None:
-    """One launch with its struct packed by name; ``record`` (the steady state's, ops/recall.py)
-    collects what was launched, in order."""
-    kernel(grid, block, (params.pack(fields),), shared_mem=shared_mem)
+    """One launch with its struct packed by name, through a Launcher (jit/launch.py): the code the
+    steady state's replays run (ops/recall.py, ChainRecipe), so that first and later calls launch
+    alike, as the forward's and backward's do. ``record`` collects what was launched, in order."""
+    item = KernelLaunch(kernel, grid, block, shared_mem)
+    Launcher(bytes(params.pack(fields)), [item]).launch()
     if record is not None:
-        record.append((kernel, grid, block, shared_mem, params, fields))
+        record.append((item, params, fields))
 
 
 def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
            block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None,
            record: Optional[list] = None) -> None:
     """Fill DecodeParams by name and launch the split kernel (and the combine) on the current stream.
-    ``record``, a list, receives (kernel, grid, block, shared_mem, struct, fields) per launch: what
-    attention()'s steady state replays with new pointers (ops/recall.py, ChainRecipe)."""
+    ``record``, a list, receives (KernelLaunch, struct, fields) per launch: what the steady state
+    replays with new pointers (ops/recall.py, ChainRecipe)."""
     cp = arrays.cupy_module()
     B, Hq, Nq, D = (int(n) for n in q.shape)
     item = q.itemsize

@@ -183,11 +183,11 @@ class ChainRecipe:
     @classmethod
     def from_record(cls, record: Sequence[tuple], call_pointers: dict, scratch_fields: Sequence[str]
                     ) -> Optional["ChainRecipe"]:
-        """From ``(kernel, grid, block, shared_mem, struct, fields)`` per launch. ``call_pointers``: the
-        first call's pointer of each CALL_FIELDS name it passed (None: absent). None when a recorded
-        field does not hold the call's array (a copy was made): such a call cannot be replayed."""
+        """From ``(KernelLaunch, struct, fields)`` per launch (ops/decode.py's record). ``call_pointers``:
+        the first call's pointer of each CALL_FIELDS name it passed (None: absent). None when a
+        recorded field does not hold the call's array (a copy was made): such a call cannot be replayed."""
         steps, scratch, keep, at = [], {}, [], 0
-        for kernel, grid, block, shared_mem, params, fields in record:
+        for item, params, fields in record:
             names = []
             for p in params.params:
                 value = fields.get(p.name)
@@ -203,7 +203,7 @@ class ChainRecipe:
                         at += -(-int(value.nbytes) // SCRATCH_ALIGN) * SCRATCH_ALIGN
                     names.append(p.name)
             fixed = dict(fields, **{name: None for name in names})
-            launcher = Launcher(bytes(params.pack(fixed)), [KernelLaunch(kernel, grid, block, shared_mem)])
+            launcher = Launcher(bytes(params.pack(fixed)), [item])
             steps.append((launcher, PointerSlots(params.offset(n) for n in names), tuple(names)))
             keep.extend(_kept(fields, names))
         return cls(tuple(steps), tuple(scratch.items()), at, tuple(keep))
