@@ -1,7 +1,8 @@
 """Decode tuning (issue 16): split-KV kernel candidates side by side, in one process.
 
     PYTHONPATH=. python benchmarks/tune_decode.py [--cells 1:8192,...] [--candidates base,fused,...]
-                                                  [--nq 1|16] [--paged 16,64] [--reps 5] [--json out.json]
+                                                  [--nq 1|16] [--paged 16,64] [--paged-candidates base,...]
+                                                  [--reps 5] [--json out.json]
 
 Cases: fp16, D 128, Hq 32, Hkv 8, one query per sequence (bottom-right causal), batch x cache length
 in {1, 8, 32} x {8k, 32k, 128k} on a contiguous cache, and the same cells on paged caches (page
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default="", help="default: DEFAULT_CANDIDATES for --nq")
     ap.add_argument("--nq", type=int, default=1, help="queries per sequence (16: 64-row m tiles)")
     ap.add_argument("--paged", default="16,64", help="page sizes for the paged candidates ('' for none)")
+    ap.add_argument("--paged-candidates", default=",".join(PAGED_CANDIDATES), help="candidates run on the paged caches")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
     cells = ([tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
              or [(B, N) for B in bd.BATCHES for N in bd.LENGTHS])
     names = [n for n in args.candidates.split(",") if n] or list(DEFAULT_CANDIDATES.get(args.nq, ("base",)))
-    unknown = [n for n in names if n not in CANDIDATES]
+    paged_names = [n for n in args.paged_candidates.split(",") if n]
+    unknown = [n for n in names + paged_names if n not in CANDIDATES]
     if unknown:
         ap.error(f"unknown candidates {unknown}; have {list(CANDIDATES)}")
     page_sizes = [int(p) for p in args.paged.split(",") if p]
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
             nbytes = bd.kv_bytes(cache.lens)
             row = results.setdefault((B, N), {})
             runs = [(CANDIDATES[n], None) for n in names]
-            runs += [(CANDIDATES[n], ps) for ps in page_sizes for n in PAGED_CANDIDATES if n in CANDIDATES]
+            runs += [(CANDIDATES[n], ps) for ps in page_sizes for n in paged_names]
             wants = {}
             for cand, ps in runs:
                 label = cand.name if ps is None else f"{cand.name}/ps{ps}"
