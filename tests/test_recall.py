@@ -119,7 +119,8 @@ def _tunables():
             ("COMBINE_WARPS", 8)]
 
 
-@pytest.mark.parametrize("make_key", [pytest.param(_attention_key, id="attention"), pytest.param(_paged_key, id="paged")])
+@pytest.mark.parametrize("make_key", [pytest.param(_attention_key, id="attention"),
+                                      pytest.param(_paged_key, id="paged")])
 @pytest.mark.parametrize("name,value", [pytest.param(n, v, id=n) for n, v in _tunables()])
 def test_decode_steady_key_follows_the_tunables(monkeypatch, make_key, name, value):
     """A decode tunable changed between two calls (ops/decode.settings(): what the plan depends on
