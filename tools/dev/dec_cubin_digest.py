@@ -1,10 +1,11 @@
-"""Compile check for decode-touching changes (issue 16): every shipped decode and combine variant
-for sm_80 and sm_90 (the shipped tiles of each arch), a score-modifier decode variant per head
-dim, and with --backward the mma.sync backward variants (they share kernels/mma.cuh tile products
-with the decode, see kernels/decode_tile.cuh). Compiled with NVRTC from the tree this runs in (no
-GPU needed); writes {kernel-arch: [sha256 of the cubin, registers, spill bytes]}.
+"""Compile check for decode-touching changes (issue 16). Groups (--ops): ``decode``, every shipped
+decode and combine variant for sm_80 and sm_90 (the shipped tiles of each arch) and a
+score-modifier decode variant per head dim; ``bwd_sync`` and ``bwd_wgmma``, the shipped backward
+variants of each family (sm_80 / sm_90a; they share kernels/mma_tiles.cuh's tile products with the
+decode). Compiled with NVRTC from the tree this runs in (no GPU needed); writes
+{kernel-arch: [sha256 of the cubin, registers, spill bytes]}.
 
-    PYTHONPATH=<tree> python tools/dev/dec_cubin_digest.py OUT.json [--backward] [--workers N]
+    PYTHONPATH=<tree> python tools/dev/dec_cubin_digest.py OUT.json [--ops decode,bwd_sync,bwd_wgmma] [--workers N]
     python tools/dev/dec_cubin_digest.py --compare BEFORE.json AFTER.json
 
 Run once on the tree before a change and once after; --compare prints which kernels changed code,
@@ -18,20 +19,22 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _targets(backward: bool):
+def _targets(ops):
     from omnicupy import score_mods
     from omnicupy.dispatch import tiles
     from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
     from omnicupy.ops import decode
 
     out = []
-    for arch in ("sm_80", "sm_90"):
-        out += [(v, arch) for v in decode.shipped_variants(arch)]
-        out += [(decode.decode_variant(hd, "fp16", 16, causal=True, partial=False,
-                                       score_expr=score_mods.softcap(30.0).cuda.key, arch=arch), arch)
-                for hd in SUPPORTED_HEAD_DIMS]
-    if backward:
-        out += [(v, "sm_80") for v in tiles.shipped_backward_variants() if v.family == "sync"]
+    if "decode" in ops:
+        for arch in ("sm_80", "sm_90"):
+            out += [(v, arch) for v in decode.shipped_variants(arch)]
+            out += [(decode.decode_variant(hd, "fp16", 16, causal=True, partial=False,
+                                           score_expr=score_mods.softcap(30.0).cuda.key, arch=arch), arch)
+                    for hd in SUPPORTED_HEAD_DIMS]
+    for family, arch in (("sync", "sm_80"), ("wgmma", "sm_90a")):
+        if f"bwd_{family}" in ops:
+            out += [(v, arch) for v in tiles.shipped_backward_variants() if v.family == family]
     return out
 
 
@@ -77,13 +80,13 @@ def compare(before_path: str, after_path: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?")
-    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--ops", default="decode", help="decode,bwd_sync,bwd_wgmma")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
     args = ap.parse_args()
     if args.compare:
         return compare(*args.compare)
-    targets = _targets(args.backward)
+    targets = _targets(args.ops.split(","))
     with ProcessPoolExecutor(args.workers) as pool:
         rows = list(pool.map(_digest, targets, chunksize=4))
     with open(args.out, "w") as f:
