@@ -64,6 +64,7 @@ from benchmarks.bench_tma import family  # noqa: E402
 from omnicupy import BlockMask, masks  # noqa: E402
 from omnicupy.dispatch import plan as planning  # noqa: E402
 from omnicupy.mask import cdiv  # noqa: E402
+from omnicupy.ops import recall  # noqa: E402
 
 HEADS = 16
 DTYPE = "fp16"
@@ -190,9 +191,10 @@ def dry_run(cases: Sequence[Case], seed: int) -> int:
 def stored_recipe(bm: BlockMask, call: Callable[[], Any]) -> Any:
     """Run ``call`` (an omnicupy.attention call with ``bm``) and return the recipe it left on the mask:
     the launch of the compiled kernel with everything but the data pointers decided (ops/recall.py)."""
-    before = set(bm._recipes)
+    recipes = recall.store_of(bm)
+    before = set(recipes)
     call()
-    new = [recipe for key, recipe in bm._recipes.items() if key not in before]
+    new = [recipe for key, recipe in recipes.items() if key not in before]
     if len(new) != 1:
         raise RuntimeError(f"expected the call to store one recipe on the mask, found {len(new)}")
     return new[0]

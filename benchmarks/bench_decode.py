@@ -252,9 +252,8 @@ def _configure(decode, br: int, variant: str) -> None:
     if "x" in variant:
         w, st = variant.split("x")
         want = (int(w), int(st))
-    if decode.DECODE_TILES[key] != want:
-        decode.DECODE_TILES[key] = want
-        decode._plan_split_kv.cache_clear()
+    if decode.DECODE_TILES[key] != want:  # a read-only table, part of the plan cache's key: rebound
+        decode.DECODE_TILES = decode.DECODE_TILES.updated({key: want})
 
 
 DEFAULT_TILES: dict = {}

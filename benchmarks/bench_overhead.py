@@ -148,6 +148,26 @@ def _graph_vs_direct(call, cp, count: int = 20) -> tuple[float, float]:
     return direct_us, graph_us
 
 
+def _kernel_alone(q, k, v, out, cp, count: int = 20) -> float:
+    """GPU µs per launch of the forward's kernel alone: the recipe that ``attention(q, k, v,
+    causal=True, out=out)`` keeps, launched ``count`` times back to back between two events with
+    no Python of attention() in between (the reference for the graph-replay target)."""
+    from omnicupy.ops import forward
+
+    key, mask, *_ = forward._steady_key(q, k, v, out, None, None, True, None, None, None, False, None, False, None, cp)
+    recipe = recall.recipe_for(mask, key)
+    pointers = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0)
+
+    def launches():
+        for _ in range(count):
+            recipe.launch(*pointers)
+
+    stream = cp.cuda.get_current_stream()
+    launches()
+    stream.synchronize()
+    return _events(stream, launches, cp) / count
+
+
 def _check(cp, q, k, v, do) -> str:
     """Forward and backward of the timed configuration against float64 (two heads of batch 0)."""
     out, lse = omnicupy.attention(q, k, v, causal=True, return_lse=True)
@@ -260,6 +280,7 @@ def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None, rounds: int = 5
         o_buf = cp.empty_like(q)
         r["fwd direct GPU µs"], r["fwd graph GPU µs"] = _graph_vs_direct(
             lambda: omnicupy.attention(q, k, v, causal=True, out=o_buf), cp)
+        r["fwd kernel alone GPU µs"] = _kernel_alone(q, k, v, o_buf, cp)
         grads = [cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)]
         r["bwd direct GPU µs"], r["bwd graph GPU µs"] = _graph_vs_direct(
             lambda: omnicupy.attention_backward(do, q, k, v, out, lse, causal=True, dq=grads[0], dk=grads[1],
@@ -274,7 +295,8 @@ def gpu_report(seq_lens, calls: int, routes, flex_seq_lens=None, rounds: int = 5
 def print_table(rows: list[dict]) -> None:
     keys = list(dict.fromkeys(key for r in rows for key in r))
     print("\nhost µs per call (B=2, H=16, D=128, causal, fp16; median of single calls, best of the interleaved rounds); "
-          "'GPU µs' columns: per call, 20 (bwd 5) calls direct vs one replayed graph")
+          "'GPU µs' columns: per call, 20 (bwd 5) calls direct vs one replayed graph vs the forward's kernel "
+          "launched alone")
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in rows:
         cells = [r.get(key, "") for key in keys]

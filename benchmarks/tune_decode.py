@@ -1,7 +1,8 @@
 """Decode tuning (issue 16): split-KV kernel candidates side by side, in one process.
 
     PYTHONPATH=. python benchmarks/tune_decode.py [--cells 1:8192,...] [--candidates base,fused,...]
-                                                  [--nq 1|16] [--paged 16,64] [--reps 5] [--json out.json]
+                                                  [--nq 1|16] [--paged 16,64] [--paged-candidates base,...]
+                                                  [--reps 5] [--json out.json]
 
 Cases: fp16, D 128, Hq 32, Hkv 8, one query per sequence (bottom-right causal), batch x cache length
 in {1, 8, 32} x {8k, 32k, 128k} on a contiguous cache, and the same cells on paged caches (page
@@ -23,11 +24,8 @@ heuristic, which counts CTAs per SM from the tile's shared memory, unless a cand
   w2s3_fused    w2s3 + fused
   splits_x2     base with twice the heuristic's splits (more waves)
   splits_half   base with half of them (fewer partials)
-  affine        base, rows of each half tile addressed from its first key (a contiguous cache, or
-                pages of a multiple of 16 keys) instead of one shuffled address per row
-                (decode.AFFINE_ROWS)
-Paged candidates (--paged): base, affine and w2s3_fused_affine on page sizes 16 and 64
-(name/ps16, name/ps64).
+Paged candidates (--paged): base, fused and w2s3_fused on page sizes 16 and 64 (name/ps16,
+name/ps64).
 With --nq 16 (GQA 4 x 16 positions: 64-row m tiles of 4 row warps per kv group; shipped 8 warps,
 3 stages = 2 kv groups, 218 KB):
   w4s3          one kv group, 3 stages (70 KB: 3 CTAs/SM)
@@ -58,7 +56,6 @@ class Candidate:
     tile: Optional[tuple[int, int]] = None  # (warps, stages) of the cell's m tile; None: shipped
     fused: bool = False
     split_scale: float = 1.0
-    affine: bool = False  # decode.AFFINE_ROWS
 
 
 CANDIDATES = {c.name: c for c in (
@@ -69,8 +66,6 @@ CANDIDATES = {c.name: c for c in (
     Candidate("w3s2", tile=(3, 2)),
     Candidate("w1s4", tile=(1, 4)),
     Candidate("w2s3_fused", tile=(2, 3), fused=True),
-    Candidate("affine", affine=True),
-    Candidate("w2s3_fused_affine", tile=(2, 3), fused=True, affine=True),
     Candidate("splits_x2", split_scale=2.0),
     Candidate("splits_half", split_scale=0.5),
     # --nq 16 (64-row m tiles: 4 row warps per kv group)
@@ -79,10 +74,9 @@ CANDIDATES = {c.name: c for c in (
     Candidate("w8s2", tile=(8, 2)),
 )}
 #: The default candidates per Nq (the 64-row ones make no 16-row tile and the reverse).
-DEFAULT_CANDIDATES = {1: ("base", "fused", "w4s2", "w2s3", "w3s2", "w1s4", "w2s3_fused", "affine", "splits_x2",
-                         "splits_half"),
+DEFAULT_CANDIDATES = {1: ("base", "fused", "w4s2", "w2s3", "w3s2", "w1s4", "w2s3_fused", "splits_x2", "splits_half"),
                       16: ("base", "fused", "w4s3", "w4s4", "w8s2", "splits_x2")}
-PAGED_CANDIDATES = ("base", "affine", "w2s3_fused_affine")
+PAGED_CANDIDATES = ("base", "fused", "w2s3_fused")
 
 
 class Setup:
@@ -93,23 +87,19 @@ class Setup:
 
         self.decode = decode
         self.br = br
-        self.shipped = dict(decode.DECODE_TILES)
+        self.shipped = decode.DECODE_TILES
         self.fused = decode.FUSED_COMBINE
-        self.affine = decode.AFFINE_ROWS
 
     def apply(self, cand: Candidate) -> None:
+        # Both are part of the decode's plan cache and steady-state keys (decode.settings()): a
+        # candidate never replays another one's launch.
         d = self.decode
-        d.DECODE_TILES.clear()
-        d.DECODE_TILES.update(self.shipped)
-        if cand.tile is not None:
-            d.DECODE_TILES[(D, self.br)] = cand.tile
+        d.DECODE_TILES = self.shipped if cand.tile is None else self.shipped.updated({(D, self.br): cand.tile})
         d.FUSED_COMBINE = cand.fused
-        d.AFFINE_ROWS = cand.affine
 
     def restore(self) -> None:
         self.apply(Candidate("base"))
         self.decode.FUSED_COMBINE = self.fused
-        self.decode.AFFINE_ROWS = self.affine
 
     def splits(self, cand: Candidate, cache: bd.Cache, page_size: Optional[int]) -> Optional[int]:
         """None (the heuristic), or the heuristic's count scaled by the candidate."""
@@ -185,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default="", help="default: DEFAULT_CANDIDATES for --nq")
     ap.add_argument("--nq", type=int, default=1, help="queries per sequence (16: 64-row m tiles)")
     ap.add_argument("--paged", default="16,64", help="page sizes for the paged candidates ('' for none)")
+    ap.add_argument("--paged-candidates", default=",".join(PAGED_CANDIDATES), help="candidates run on the paged caches")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -193,7 +184,8 @@ def main(argv=None) -> int:
     cells = ([tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
              or [(B, N) for B in bd.BATCHES for N in bd.LENGTHS])
     names = [n for n in args.candidates.split(",") if n] or list(DEFAULT_CANDIDATES.get(args.nq, ("base",)))
-    unknown = [n for n in names if n not in CANDIDATES]
+    paged_names = [n for n in args.paged_candidates.split(",") if n]
+    unknown = [n for n in names + paged_names if n not in CANDIDATES]
     if unknown:
         ap.error(f"unknown candidates {unknown}; have {list(CANDIDATES)}")
     page_sizes = [int(p) for p in args.paged.split(",") if p]
@@ -208,7 +200,7 @@ def main(argv=None) -> int:
             nbytes = bd.kv_bytes(cache.lens)
             row = results.setdefault((B, N), {})
             runs = [(CANDIDATES[n], None) for n in names]
-            runs += [(CANDIDATES[n], ps) for ps in page_sizes for n in PAGED_CANDIDATES if n in CANDIDATES]
+            runs += [(CANDIDATES[n], ps) for ps in page_sizes for n in paged_names]
             wants = {}
             for cand, ps in runs:
                 label = cand.name if ps is None else f"{cand.name}/ps{ps}"

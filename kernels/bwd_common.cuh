@@ -8,7 +8,8 @@
 //   per-q-tile loads         load_row_stats_async (LSE and delta rows into shared memory)
 //   Pᵀ from Sᵀ               ScoreTile, score_tile, plain_probs, masked_probs (scale, score
 //                            modifier and its derivative, causal / partial / kv-tail masking)
-//   fragments                zero, pack_a, store_ds_rows (dSᵀ to shared memory for dQ)
+//   fragments                store_ds_rows (dSᵀ to shared memory for dQ; zero and pack_a are in
+//                            mma_tiles.cuh, shared with the decode)
 //   dQ                       red_add2, add_dq_rows, and the deterministic order: dq_semaphore,
 //                            wait_dq_turn, pass_dq_turn (load_acquire / store_release)
 //   epilogue                 store_dk_dv_rows (dK scaled, dV; padding columns skipped)
@@ -27,7 +28,7 @@
 // P (dispatch/params.py BACKWARD). The including template declares the BlockType enum (kMasked,
 // kCausal, kFull, kPartial) first.
 #pragma once
-#include "mma.cuh"
+#include "mma_tiles.cuh"
 
 namespace omni {
 namespace bwd {
@@ -178,30 +179,6 @@ __device__ __forceinline__ void masked_probs(float (&pf)[4], float (&g)[4], cons
 }
 
 // ---------------------------------------------------------------- fragments
-template <int kMT, int kNT>
-__device__ __forceinline__ void zero(float (&acc)[kMT][kNT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-}
-
-// The accumulator layout of two adjacent n8 tiles is the A fragment of one k16 step.
-template <int kMT, int kNT, typename T>
-__device__ __forceinline__ void pack_a(u32 (&a)[kMT][kNT / 2][4], const float (&acc)[kMT][kNT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int kk = 0; kk < kNT / 2; ++kk) {
-      a[mt][kk][0] = T::pack(acc[mt][2 * kk][0], acc[mt][2 * kk][1]);
-      a[mt][kk][1] = T::pack(acc[mt][2 * kk][2], acc[mt][2 * kk][3]);
-      a[mt][kk][2] = T::pack(acc[mt][2 * kk + 1][0], acc[mt][2 * kk + 1][1]);
-      a[mt][kk][3] = T::pack(acc[mt][2 * kk + 1][2], acc[mt][2 * kk + 1][3]);
-    }
-}
-
 // dSᵀ of one m16 tile (packed A fragments, kSteps k16 steps of q columns) into sdS [kv row][q]
 // (row stride kLdS): dQ = dS K contracts over kv rows of every warp, so it reads dSᵀ back from
 // shared memory (ldmatrix.trans). row, col: this lane's first row and column, row0 + lane_row and

@@ -82,47 +82,7 @@ __device__ __forceinline__ void load_rows_async(u16* smem, const u16* gmem, i64 
   }
 }
 
-// ---------------------------------------------------------------- tile products
-// acc[mt][nt] = sum_k A[m][k] B[n][k]. A: this warp's rows, B: all kNT * 8 rows, both stored
-// [row][k] in smem with stride kLd (a_addr / b_addr: this lane's ldmatrix row address at 0).
-template <int kMT, int kNT, int kKSteps, int kLd, typename T>
-__device__ __forceinline__ void mma_rows_rows(float (&acc)[kMT][kNT][4], u32 a_addr, u32 b_addr) {
-  zero(acc);
-#pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk) {
-    u32 a[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], a_addr + (mt * 16 * kLd + kk * 16) * 2);
-#pragma unroll
-    for (int nt = 0; nt < kNT; nt += 2) {
-      u32 b[4];  // b0, b1 of n tile nt, then of nt + 1
-      ldmatrix_x4(b, b_addr + (nt * 8 * kLd + kk * 16) * 2);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        T::mma(acc[mt][nt], a[mt], b[0], b[1]);
-        T::mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// acc[mt][dt] += sum_k A[m][k] B[k][n]. A in registers (packed A fragments, k = kKSteps * 16),
-// B stored [k][n] in smem with stride kLd, read transposed (b_addr: this lane's address at 0).
-template <int kMT, int kDT, int kKSteps, int kLd, typename T>
-__device__ __forceinline__ void mma_regs_rows(float (&acc)[kMT][kDT][4], const u32 (&a)[kMT][kKSteps][4], u32 b_addr) {
-#pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk)
-#pragma unroll
-    for (int dt = 0; dt < kDT; dt += 2) {
-      u32 b[4];  // transposed: b0, b1 of n tile dt, then of dt + 1
-      ldmatrix_x4_trans(b, b_addr + (kk * 16 * kLd + dt * 8) * 2);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        T::mma(acc[mt][dt], a[mt][kk], b[0], b[1]);
-        T::mma(acc[mt][dt + 1], a[mt][kk], b[2], b[3]);
-      }
-    }
-}
+// Tile products (mma_rows_rows, mma_regs_rows, pack_a, zero): kernels/mma_tiles.cuh.
 
 // ================================================================ the kernel body
 template <class C, class F, class P>

@@ -209,41 +209,6 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
   if (row_warp == 0 && lane == 0) *info = t;
 }
 
-// issue_async for tiles whose rows are consecutive slots of a page in each half (p.affine_rows,
-// with a contiguous cache or page_size a multiple of 16: tiles start at multiples of 32, so rows
-// 0-15 lie in one page and rows 16-31 in one page). Row r sits at the address of its half's first
-// row (lanes 0 and 16) + (r % 16) * s_slot: two shuffles of (page, slot) per tile instead of two
-// 64-bit shuffles per copy. A row that does not exist (past the sequence, or on a bad page) is
-// never read; when a half's first row does not exist, neither does any later row of that half.
-template <class Cfg, int kRowWarps, class Params>
-__device__ __forceinline__ void issue_async_affine(const Params& p, const Cta& c, TileInfo t, int next, u16* sK,
-                                                   u16* sV, TileInfo* info, const u16* k_base, const u16* v_base,
-                                                   int row_warp, int lane, PageHint& hint) {
-  constexpr int kChunks = Cfg::kHeadDim / 8, kLd = Cfg::kHeadDim + 8;
-  static_assert(kChunks % kRowWarps == 0, "the warps of a group share a tile's copies evenly");
-  if (t.start >= 0) {
-    int page, slot;
-    const bool ok = key_address(p, c, t.start, next, lane, hint, page, slot);
-    t.valid = __ballot_sync(0xffffffffu, ok);
-    const int page_lo = __shfl_sync(0xffffffffu, page, 0), slot_lo = __shfl_sync(0xffffffffu, slot, 0);
-    const int page_hi = __shfl_sync(0xffffffffu, page, 16), slot_hi = __shfl_sync(0xffffffffu, slot, 16);
-    const i64 k_lo = page_lo * p.k_sb + slot_lo * p.k_sn, k_hi = page_hi * p.k_sb + slot_hi * p.k_sn;
-    const i64 v_lo = page_lo * p.v_sb + slot_lo * p.v_sn, v_hi = page_hi * p.v_sb + slot_hi * p.v_sn;
-    const u32 k_dst = smem_u32(sK), v_dst = smem_u32(sV);
-#pragma unroll
-    for (int i = 0; i < kChunks / kRowWarps; ++i) {
-      const int chunk = (i * kRowWarps + row_warp) * 32 + lane, row = chunk / kChunks, col = (chunk % kChunks) * 8;
-      const bool live = (t.valid >> row) & 1u;
-      const u32 dst = (row * kLd + col) * 2;
-      const i64 k_row = (row < 16 ? k_lo : k_hi) + (row % 16) * p.k_sn;
-      const i64 v_row = (row < 16 ? v_lo : v_hi) + (row % 16) * p.v_sn;
-      cp_async_16(k_dst + dst, live ? k_base + k_row + col : k_base, live);
-      cp_async_16(v_dst + dst, live ? v_base + v_row + col : v_base, live);
-    }
-  }
-  if (row_warp == 0 && lane == 0) *info = t;
-}
-
 // Barrier of the kRowWarps warps of kv group `group` (named barrier 1 + group; 0 is __syncthreads).
 template <int kRowWarps>
 __device__ __forceinline__ void group_sync(int group) {
@@ -348,17 +313,9 @@ __device__ __forceinline__ void split_kv(const Params& p) {
   TileInfo* ring_info = sInfo + group * kStages;
   constexpr int kNext = kKvGroups * kBc;  // from one tile of the group to its next
   PageHint hint{-1, 0};
-  // (head_dim 256 keeps the per-row path: both copy loops in one kernel spilled there)
-  const bool affine = D <= 128 && p.affine_rows != 0 && (p.page_table == nullptr || p.page_size % 16 == 0);
   auto issue = [&](TileInfo t, int slot) {
     u16* sK = ring + slot * 2 * kTile;
-    if (affine) {
-      issue_async_affine<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp,
-                                         lane, hint);
-    } else {
-      issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane,
-                                  hint);
-    }
+    issue_async<Cfg, kRowWarps>(p, c, t, kNext, sK, sK + kTile, ring_info + slot, k_base, v_base, row_warp, lane, hint);
     cp_async_commit();
   };
 

@@ -1,12 +1,14 @@
 // Tile math of the split-KV decode kernel (decode_split.cuh): S = Q Kᵀ, the online softmax and
 // O += P V for one warp that owns kWarpRows query rows (kMTiles m16 tiles) and one 32-row kv tile
-// at a time. Q sits in shared memory, shared by the CTA's warps; K and V in a ring slot. Fragment layouts are those of mma.cuh (m16n8k16): lane l holds rows l/4 and l/4 + 8,
-// columns 2(l%4) and 2(l%4)+1 of each 16x8 accumulator tile.
+// at a time. Q sits in shared memory, shared by the CTA's warps; K and V in a ring slot. The
+// products are mma_tiles.cuh's (shared with the backward's kv-tile kernel); fragment layouts are
+// those of mma.cuh (m16n8k16): lane l holds rows l/4 and l/4 + 8, columns 2(l%4) and 2(l%4)+1 of
+// each 16x8 accumulator tile.
 //
-// Plain CUDA, templated on the kernel's configuration Cfg (kHeadDim, kHeadDimValid, kBm, kBc, Mma), so the code
-// is the same whatever the template renders.
+// Plain CUDA, templated on the kernel's configuration Cfg (kHeadDim, kHeadDimValid, kBm, kBc, Mma),
+// so the code is the same whatever the template renders.
 #pragma once
-#include "mma.cuh"
+#include "mma_tiles.cuh"
 
 namespace omni {
 namespace decode {
@@ -36,30 +38,10 @@ struct Tile {
   static __device__ __forceinline__ int k_lane(int lane) { return ((lane / 16) * 8 + lane % 8) * kLd + ((lane / 8) % 2) * 8; }
   static __device__ __forceinline__ int v_lane(int lane) { return (((lane / 8) % 2) * 8 + lane % 8) * kLd + (lane / 16) * 8; }
 
-  // ---- S = Q Kᵀ (q_addr / k_addr: this lane's shared addresses for fragment (0, 0, 0))
+  // ---- S = Q Kᵀ (q_addr / k_addr: this lane's shared addresses for fragment (0, 0, 0)), over the
+  // k16 steps that hold real columns
   static __device__ __forceinline__ void qk(S& acc_s, u32 q_addr, u32 k_addr) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kQKSteps; ++kk) {
-      u32 a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_addr + (mt * 16 * kLd + kk * 16) * 2);
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; nt += 2) {
-        u32 b[4];  // b0, b1 of n tile nt, then of nt + 1
-        ldmatrix_x4(b, k_addr + (nt * 8 * kLd + kk * 16) * 2);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          Cfg::Mma::mma(acc_s[mt][nt], a[mt], b[0], b[1]);
-          Cfg::Mma::mma(acc_s[mt][nt + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
+    mma_rows_rows<kMTiles, kNTiles, kQKSteps, kLd, typename Cfg::Mma>(acc_s, q_addr, k_addr);
   }
 
   // ---- online softmax
@@ -98,31 +80,13 @@ struct Tile {
       }
   }
 
-  // ---- O += P V. P stays in registers: two adjacent n8 tiles of S are the A fragment of one k16 step.
+  // ---- O += P V. P stays in registers: two adjacent n8 tiles of S are the A fragment of one k16
+  // step. A padded variant's other columns of O stay zero, never stored.
   static __device__ __forceinline__ void pv(O& acc_o, const S& acc_s, u32 v_addr) {
     constexpr int kRealDTiles = (Cfg::kHeadDimValid + 15) / 16 * 2;  // n8 tiles of O holding real columns
     P p;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int kk = 0; kk < kPVSteps; ++kk) {
-        p[mt][kk][0] = Cfg::Mma::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-        p[mt][kk][1] = Cfg::Mma::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-        p[mt][kk][2] = Cfg::Mma::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-        p[mt][kk][3] = Cfg::Mma::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-    for (int kk = 0; kk < kPVSteps; ++kk)
-#pragma unroll
-      for (int dt = 0; dt < kRealDTiles; dt += 2) {  // a padded variant's other columns stay zero, never stored
-        u32 b[4];  // transposed: b0, b1 of d tile dt, then of dt + 1
-        ldmatrix_x4_trans(b, v_addr + (kk * 16 * kLd + dt * 8) * 2);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          Cfg::Mma::mma(acc_o[mt][dt], p[mt][kk], b[0], b[1]);
-          Cfg::Mma::mma(acc_o[mt][dt + 1], p[mt][kk], b[2], b[3]);
-        }
-      }
+    pack_a<kMTiles, kNTiles, typename Cfg::Mma>(p, acc_s);
+    mma_regs_rows<kMTiles, kDTiles, kPVSteps, kLd, typename Cfg::Mma, kRealDTiles>(acc_o, p, v_addr);
   }
 };
 

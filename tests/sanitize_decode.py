@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python3 tests/sanitize_decode.py --head-dims 128
 
 Per head dim and dtype: a contiguous cache with ragged lengths (0 and 1 included) and several
-splits, with the combine kernel, the fused combine and affine row addresses; paged caches of page
+splits, with the combine kernel and the fused combine; paged caches of page
 sizes 16 and 64 (NHD and HND, a window); a shuffled block mask. Lengths are odd so that tails run.
 Every output is checked against the float64 reference; exits 1 if one is wrong.
 """
@@ -48,18 +48,17 @@ def main(argv=None) -> int:
             q, k, v = random_qkv(rng, B, Hq, 2, D, dtype, Hkv=Hkv, Nkv=N)
             want = reference.decode_attention(q, k, v, lens, causal="bottom_right")
             qd, kd, vd, lens_d = (cp.asarray(x) for x in (q, k, v, lens))
-            for fused, affine in ((False, False), (True, False), (False, True), (True, True)):
-                decode.FUSED_COMBINE, decode.AFFINE_ROWS = fused, affine
+            for fused in (False, True):
+                decode.FUSED_COMBINE = fused
                 got = decode.decode_attention(qd, kd, vd, kv_lens=lens_d, causal=True, num_splits=4)
-                failures += report(f"contiguous D{D} {dtype} fused={fused} affine={affine}", got, want, dtype)
+                failures += report(f"contiguous D{D} {dtype} fused={fused}", got, want, dtype)
                 for ps, layout in ((16, "NHD"), (64, "HND")):
                     kp, vp, table = paged_from_contiguous(rng, k, v, ps, layout, lens)
                     want_p = reference.paged_attention(q, kp, vp, table, lens, window=100, layout=layout)
                     got = omnicupy.paged_attention(*(cp.asarray(x) for x in (q, kp, vp, table)), lens_d, window=100,
                                                    layout=layout, num_splits=3, validate=False)
-                    failures += report(f"paged ps{ps} {layout} D{D} {dtype} fused={fused} affine={affine}", got, want_p,
-                                       dtype)
-            decode.FUSED_COMBINE = decode.AFFINE_ROWS = False
+                    failures += report(f"paged ps{ps} {layout} D{D} {dtype} fused={fused}", got, want_p, dtype)
+            decode.FUSED_COMBINE = False
             bm, dense = random_block_mask(rng, 1, 1, 2, N, 128, 64, probs=(0.2, 0.3, 0.2, 0.3), shuffle=True)
             want_m = reference.decode_attention(q, k, v, None, mask=dense)
             got = decode.decode_attention(qd, kd, vd, bm, num_splits=3)

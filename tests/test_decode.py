@@ -435,41 +435,33 @@ def test_fused_combine_plans_no_combine_kernel(splits, fused, want_fused):
     assert ("last CTA" in str(plan)) == want_fused
 
 
-def test_plan_follows_the_tile_table(monkeypatch):
-    """Tuning tools change DECODE_TILES between calls: the cached plan must follow."""
+@pytest.mark.parametrize("name,value,what,want", [
+    pytest.param("DECODE_TILES", decode.DECODE_TILES.updated({(128, 16): (2, 3)}),
+                 lambda p: p.split.variant.warps, (4, 2), id="tile-table"),
+    pytest.param("FUSED_COMBINE", False, lambda p: (p.fused, p.combine is None), ((True, True), (False, False)),
+                 id="fused-combine"),
+    pytest.param("MIN_TILES_PER_GROUP", 64, lambda p: p.num_splits > 1, (True, False), id="min-tiles-per-group"),
+    pytest.param("MAX_SPLITS", 2, lambda p: p.num_splits <= 2, (False, True), id="max-splits"),
+])
+def test_plan_follows_the_tunables(monkeypatch, name, value, what, want):
+    """Tuning tools and tests change the module's tunables between calls (decode.settings()): the
+    cached plan must follow each of them."""
     kw = dict(head_dim=128, dtype="fp16", batch=1, heads=32, kv_heads=8, q_len=1, longest=8192,
               rows=decode.pack_rows(4, 1), rule=decode.Rule(causal=True, bottom_right=True), arch="sm_90")
     before = decode.plan_split_kv(**kw)
-    monkeypatch.setitem(decode.DECODE_TILES, (128, 16), (2, 3))
+    monkeypatch.setattr(decode, name, value)
     after = decode.plan_split_kv(**kw)
-    assert (before.split.variant.warps, after.split.variant.warps) == (4, 2)
-    assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
+    assert (what(before), what(after)) == want
+    if name == "DECODE_TILES":
+        assert after.split.smem_bytes < 115_000  # two CTAs per SM: the heuristic counts them
 
 
-
-@pytest.mark.parametrize("page_size", [16, 32, 48, 64, 256])
-def test_affine_row_addresses_match_per_row_addresses(page_size):
-    """kernels/decode_split.cuh issue_async_affine, emulated: for tiles that start at multiples of 32,
-    row r's (page, slot) from its half's first row (lanes 0 and 16) equals its own lookup whenever
-    the row exists, and a half whose first row does not exist has no row that does."""
-    rng = np.random.default_rng(page_size)
-    length = 1000
-    pages = -(-length // page_size)
-    table = rng.permutation(pages + 5)[:pages]
-    table[rng.integers(0, pages)] = -7  # one bad page id: its keys do not exist
-
-    def lookup(key):
-        if key >= length:
-            return None
-        page = table[key // page_size]
-        return None if page < 0 else (int(page), key % page_size)
-
-    for start in range(0, length + 64, 32):
-        rows = [lookup(start + r) for r in range(32)]
-        for half in (0, 16):
-            first = rows[half]
-            for r in range(half, half + 16):
-                if rows[r] is None:
-                    continue
-                assert first is not None, f"page {page_size}, tile {start}: row {r} exists, its half's first not"
-                assert rows[r] == (first[0], first[1] + r - half), f"page {page_size}, tile {start}, row {r}"
+def test_tile_table_is_read_only_and_hashable():
+    """DECODE_TILES is part of hashed keys (decode.settings()): changed by rebinding, never in place."""
+    table = decode.DECODE_TILES
+    changed = table.updated({(128, 16): (2, 3)})
+    assert table[(128, 16)] == (4, 3) and changed[(128, 16)] == (2, 3) and len(changed) == len(table)
+    assert changed != table and changed == decode.TileTable({**dict(table), (128, 16): (2, 3)})
+    assert hash(changed) == hash(decode.TileTable(dict(changed))) and {changed: 1}[decode.TileTable(dict(changed))] == 1
+    with pytest.raises(TypeError):
+        table[(128, 16)] = (2, 3)

@@ -438,27 +438,3 @@ def test_steady_state_decode_calls(request, monkeypatch, entry, fused):
             want, want_lse = reference.decode_attention(q, k, v, lens, causal="bottom_right", return_lse=True)
         compare(got, lse, want, want_lse, "fp16", f"{label}/call{call}", seed + call)
     assert decode.take_device_errors() == 0
-
-
-# ---------------------------------------------------------------------------- affine row addresses
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,D,dtype,page_size,layout,lens,causal,window,score_mod,splits", PAGED)
-def test_paged_attention_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal,
-                                     window, score_mod, splits):
-    """Every paged case again with decode.AFFINE_ROWS (one address per half tile: page sizes that are
-    multiples of 16; the odd page size 24 keeps the per-row addresses)."""
-    monkeypatch.setattr(decode, "AFFINE_ROWS", True)
-    test_paged_attention(request, B, Hq, Hkv, Nq, D, dtype, page_size, layout, lens, causal, window, score_mod, splits)
-
-
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,lens,causal,splits,score_mod", CONTIGUOUS)
-def test_contiguous_decode_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits,
-                                       score_mod):
-    monkeypatch.setattr(decode, "AFFINE_ROWS", True)
-    test_contiguous_decode(request, B, Hq, Hkv, Nq, Nkv, D, dtype, lens, causal, splits, score_mod)
-
-
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nkv,D,dtype,Bm,Hm,qbs,kbs,probs,shuffle,lens,splits", MASKED)
-def test_decode_block_masks_affine_rows(request, monkeypatch, B, Hq, Hkv, Nq, Nkv, D, dtype, Bm, Hm, qbs, kbs, probs,
-                                        shuffle, lens, splits):
-    monkeypatch.setattr(decode, "AFFINE_ROWS", True)
-    test_decode_block_masks(request, B, Hq, Hkv, Nq, Nkv, D, dtype, Bm, Hm, qbs, kbs, probs, shuffle, lens, splits)

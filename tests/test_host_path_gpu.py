@@ -8,6 +8,7 @@ import pytest
 
 import omnicupy
 from omnicupy import BlockMask, masks, reference
+from omnicupy.ops import recall
 
 from helpers import TOLERANCE
 
@@ -100,7 +101,7 @@ BWD_TOLERANCE = TOLERANCE["fp16"]  # as tests/test_backward_gpu.py: relative Fro
 
 
 def _clear_recipes(bm):
-    bm._recipes.clear()
+    recall.store_of(bm).clear()
 
 
 def _mask_of(cp, kind, n):

@@ -9,6 +9,7 @@ import os
 import struct
 import threading
 
+import numpy as np
 import pytest
 
 from omnicupy.dispatch.params import BACKWARD, FORWARD
@@ -288,8 +289,8 @@ def _decode_record(splits_lse=False):
                  errors=errors, page_table=None, num_heads=8)
     combine = {p.name: 0 for p in COMBINE.params}
     combine.update(part_o=part_o, part_ml=part_ml, o=call["o"], lse=call["lse"], rows=64)
-    record = [(FakeKernel(0xA), (4, 8, 2), (128, 1, 1), 2048, DECODE, split),
-              (FakeKernel(0xB), (1, 1, 1), (256, 1, 1), 0, COMBINE, combine)]
+    record = [(launch.KernelLaunch(FakeKernel(0xA), (4, 8, 2), (128, 1, 1), 2048), DECODE, split),
+              (launch.KernelLaunch(FakeKernel(0xB), (1, 1, 1), (256, 1, 1), 0), COMBINE, combine)]
     return record, {name: a.data.ptr for name, a in call.items()}, errors
 
 
@@ -326,3 +327,68 @@ def test_chain_recipe_refuses_a_call_whose_array_was_copied():
     record, first_call, _ = _decode_record()
     first_call["q"] += 0x100  # the struct holds another array than the call's q
     assert recall.ChainRecipe.from_record(record, first_call, ("part_o", "part_ml")) is None
+
+
+class _DecodeArray(_Arr):
+    """A device array as ops/decode.launch reads it: pointer, shape, element strides, itemsize."""
+
+    def __init__(self, ptr, shape, itemsize=2):
+        super().__init__(ptr, itemsize * int(np.prod(shape)))
+        self.shape, self.itemsize = shape, itemsize
+        self.strides = tuple(int(s) for s in np.empty(shape, np.dtype(f"f{itemsize}")).strides)
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, id="fused-combine"), pytest.param(False, id="combine-kernel")])
+def test_decode_first_call_launches_like_its_replay(route, monkeypatch, fused):
+    """The decode's first call (ops/decode.launch) goes through a Launcher, as its replays
+    (ChainRecipe) do: never CuPy's Function.__call__; and both hand the driver the same structs,
+    pointers aside from the per-call fp32 partials (scratch)."""
+    from omnicupy import arrays, jit
+    from omnicupy.dispatch.params import COMBINE, DECODE
+    from omnicupy.ops import decode
+
+    sizes = {0xA: DECODE.size, 0xB: COMBINE.size}
+
+    class Driver(FakeCupyDriver):
+        def launchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):  # noqa: N802
+            self.calls.append(((f, gx, gy, gz, bx, by, bz, smem), _read_params(params, sizes[f])))
+
+    fake = Driver(0)
+    route("driver", driver=fake)
+    monkeypatch.setattr(launch, "_current_stream_ptr", lambda: 0)
+    kernels = {"decode": FakeKernel(0xA), "combine": FakeKernel(0xB)}
+    monkeypatch.setattr(jit, "get_kernel", lambda variant: kernels[variant.operation])
+    fake_cp = _FakeCupy()
+    allocated = iter(range(0x100000, 0x200000, 0x10000))
+    fake_cp.empty = lambda shape, dtype: _DecodeArray(next(allocated), shape, np.dtype(dtype).itemsize)
+    fake_cp.zeros = fake_cp.empty
+    fake_cp.cuda.runtime = type("R", (), {"getDevice": staticmethod(lambda: 0)})()
+    monkeypatch.setattr(arrays, "cupy_module", lambda: fake_cp)
+    monkeypatch.setattr(decode, "_error_words", {})
+    monkeypatch.setattr(decode, "_split_counters", {})
+
+    B, Hq, Hkv, Nq, N, D = 2, 8, 2, 1, 4096, 128
+    q, o = _DecodeArray(0x1000, (B, Hq, Nq, D)), _DecodeArray(0x4000, (B, Hq, Nq, D))
+    k, v = _DecodeArray(0x2000, (B, Hkv, N, D)), _DecodeArray(0x3000, (B, Hkv, N, D))
+    lens = _DecodeArray(0x6000, (B,), 4)
+    plan = decode.plan_split_kv(head_dim=D, dtype="fp16", batch=B, heads=Hq, kv_heads=Hkv, q_len=Nq, longest=N,
+                                rows=decode.pack_rows(Hq // Hkv, Nq), rule=decode.Rule(causal=True, bottom_right=True),
+                                num_splits=4, arch="sm_90", fused_combine=fused)
+    record = []
+    decode.launch(plan, q, decode.KVSource.contiguous(k, v), o, None, 0.125, kv_lens=lens, record=record)
+    first = list(fake.calls)
+    assert [head[0] for head, _ in first] == ([0xA] if fused else [0xA, 0xB])
+    assert not any(kernel.calls for kernel in kernels.values()), "a launch went through Function.__call__"
+
+    call = {"q": q, "k": k, "v": v, "o": o, "lse": None, "kv_lens": lens}
+    chain = recall.ChainRecipe.from_record(record, {n: None if a is None else a.data.ptr for n, a in call.items()},
+                                           decode.SCRATCH_FIELDS)
+    chain.launch(fake_cp, {n: 0 if a is None else a.data.ptr for n, a in call.items()})
+    replay = fake.calls[len(first):]
+    assert [head for head, _ in replay] == [head for head, _ in first]
+    for (head, got), (_, want) in zip(replay, first):
+        params = DECODE if head[0] == 0xA else COMBINE
+        got, want = params.unpack(got), params.unpack(want)
+        for name in decode.SCRATCH_FIELDS:  # per-call partials: another allocation, same size
+            got.pop(name), want.pop(name)
+        assert got == want

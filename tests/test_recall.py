@@ -95,9 +95,9 @@ def _forward_key(ptr=0x1000, shape=(1, 2, 16, 64), **options):
 
     args = dict(_DEFAULTS, **options)
     q = _FakeArray(ptr, shape)
-    return _steady_key(q, _FakeArray(ptr + 0x10000, shape), _FakeArray(ptr + 0x20000, shape), args["causal"],
-                       args["scale"], args["return_lse"], args["stages"], args["out"], args["bias"],
-                       args["score_mod"], args["fuse_mask"], args["kv_lens"], args["num_splits"], _FAKE_CP)[0]
+    return _steady_key(q, _FakeArray(ptr + 0x10000, shape), _FakeArray(ptr + 0x20000, shape), args["out"],
+                       args["kv_lens"], None, args["causal"], args["scale"], args["bias"], args["score_mod"],
+                       args["return_lse"], args["stages"], args["fuse_mask"], args["num_splits"], _FAKE_CP)[0]
 
 
 @pytest.mark.parametrize("first, second, same", [
@@ -130,3 +130,100 @@ def test_forward_steady_key(first, second, same):
 def test_forward_steady_key_refuses_what_the_general_path_must_check():
     assert _forward_key(out=np.zeros((1, 2, 16, 64), F16)) is None  # a NumPy out: the general path returns CuPy
     assert _forward_key(shape=(2, 16, 64)) is None  # not 4-D: the general path says what is wrong
+
+
+# ------------------------------------------------------------------------- decode steady-state keys
+class _DeviceArray:
+    """What recall.view reads of a CuPy array (pointer, shape, strides, dtype, device)."""
+
+    def __init__(self, ptr, shape, dtype=F16):
+        self.data = type("D", (), {"ptr": ptr, "device_id": 0})()
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.strides = np.empty(shape, self.dtype).strides
+
+
+_CP = type("FakeCupy", (), {"ndarray": _DeviceArray})
+
+
+def _attention_key():
+    from omnicupy.ops import forward
+
+    q, k, v = (_DeviceArray(0x10000 * i, shape) for i, shape in ((1, (2, 32, 1, 128)), (2, (2, 8, 4096, 128)),
+                                                                 (3, (2, 8, 4096, 128))))
+    lens = _DeviceArray(0x40000, (2,), np.int32)
+    key, mask, *_ = forward._steady_key(q, k, v, None, lens, None, True, None, None, None, False, None, False, None,
+                                        _CP)
+    assert mask is not None
+    return key
+
+
+def _paged_key():
+    from omnicupy.ops import paged
+
+    arrays_in = (_DeviceArray(0x10000, (2, 32, 1, 128)), _DeviceArray(0x20000, (64, 16, 8, 128)),
+                 _DeviceArray(0x30000, (64, 16, 8, 128)), _DeviceArray(0x40000, (2, 32), np.int32),
+                 _DeviceArray(0x50000, (2,), np.int32))
+    key, _ = paged._steady_key(arrays_in, None, (True, None, None, 0, False, "NHD", None, True), _CP)
+    return key
+
+
+def _tunables():
+    from omnicupy.ops import decode
+
+    return [("FUSED_COMBINE", not decode.FUSED_COMBINE), ("DECODE_MAX_ROWS", 16),
+            ("DECODE_TILES", decode.DECODE_TILES.updated({(128, 16): (2, 3)})), ("MIN_TILES_PER_GROUP", 4),
+            ("MAX_SPLITS", 64), ("WAVE_TOLERANCE", 0.9), ("RAGGED_WAVES", 2), ("RAGGED_MIN_KEYS", 4096),
+            ("COMBINE_WARPS", 8)]
+
+
+@pytest.mark.parametrize("make_key", [pytest.param(_attention_key, id="attention"),
+                                      pytest.param(_paged_key, id="paged")])
+@pytest.mark.parametrize("name,value", [pytest.param(n, v, id=n) for n, v in _tunables()])
+def test_decode_steady_key_follows_the_tunables(monkeypatch, make_key, name, value):
+    """A decode tunable changed between two calls (ops/decode.settings(): what the plan depends on
+    beside the call) must not replay the recipe planned under the old value: the key changes, and
+    comes back when the value does."""
+    from omnicupy.ops import decode
+
+    first = make_key()
+    assert make_key() == first  # same call, same tunables: the recipe is found
+    old = getattr(decode, name)
+    monkeypatch.setattr(decode, name, value)
+    assert make_key() != first
+    monkeypatch.setattr(decode, name, old)
+    assert make_key() == first
+
+
+# ------------------------------------------------------------------------------------ recipe stores
+@pytest.mark.parametrize("limit,puts,want", [
+    pytest.param(3, ["a", "b", "c"], ["a", "b", "c"], id="up-to-the-limit"),
+    pytest.param(3, ["a", "b", "c", "a"], ["a", "b", "c"], id="known-key-replaced-in-place"),
+    pytest.param(3, ["a", "b", "c", "d"], ["d"], id="full-cleared-for-a-new-key"),
+    pytest.param(3, ["a", "b", "c", "d", "e", "f", "g"], ["g"], id="cleared-again"),
+    pytest.param(2, ["a", ["unhashable"], "b"], ["a", "b"], id="unhashable-never-stored"),
+])
+def test_recipe_store_is_bounded(limit, puts, want):
+    store = recall.RecipeStore(limit)
+    for i, key in enumerate(puts):
+        store.put(key, i)
+        assert len(store) <= limit
+    assert list(store) == want
+    assert [store.get(k) for k in want] == [len(puts) - 1 - puts[::-1].index(k) for k in want]
+    assert store.get(["unhashable"]) is None and ["unhashable"] not in store
+
+
+def test_masks_and_paged_share_one_bounded_store():
+    """A BlockMask gets its RecipeStore with its first recipe; paged_attention keeps one of the same
+    kind; both hold at most MAX_RECIPES."""
+    from omnicupy import BlockMask
+    from omnicupy.ops import paged
+
+    bm = BlockMask.causal(256, 256)
+    assert recall.recipe_for(bm, ("k", 0)) is None
+    recipe = recall.ChainRecipe(steps=(), scratch=(), scratch_bytes=0, keep=())
+    for i in range(recall.MAX_RECIPES + 1):
+        recall.remember(bm, ("k", i), recipe, "alive")
+    store = recall.store_of(bm)
+    assert type(store) is type(paged._recipes) is recall.RecipeStore
+    assert store.limit == paged._recipes.limit == recall.MAX_RECIPES
+    assert len(store) == 1 and recall.recipe_for(bm, ("k", recall.MAX_RECIPES)).keep == ("alive",)

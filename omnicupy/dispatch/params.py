@@ -122,8 +122,6 @@ DECODE = ParamStruct("DecodeParams", (
     Param("errors", "ptr", "int*", doc="bit flags of bad kv_lens / page ids met on the device, or null"),
     Param("split_counters", "ptr", "int*",
           doc="[B * Hkv * m_tiles] zeroed, or null: the last split of each unit merges (no combine launch)"),
-    Param("affine_rows", "i32", doc="1: with a contiguous cache or page_size % 16 == 0, each half tile addresses its "
-                                    "rows from its first key"),
     Param("batch", "i32"),
     Param("num_heads", "i32", doc="Hq"),
     Param("kv_heads", "i32", doc="Hkv"),

@@ -189,7 +189,7 @@ class BlockMask:
         self._runs = _runs if trusted else None
         self._device_cache: dict[int, DeviceMetadata] = {}
         self._tile_orders: dict = {}  # dispatch/schedule.launch_order per tile height, device copies
-        self._recipes: dict = {}  # ops/recall.py: steady-state launches per call signature
+        self._recipes = None  # ops/recall.py: its RecipeStore (steady-state launches), made on first use
         self._backward_index: dict = {}  # ops/backward_index.py: the transposed index, per device
         self._check_shapes()
         if trusted:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,6 +35,7 @@ from ..dispatch.params import COMBINE, DECODE
 from ..dispatch.plan import Plan
 from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant, tile_head_dim
 from ..errors import ArgumentError, KVCacheError
+from ..jit.launch import KernelLaunch, Launcher
 from ..mask import BlockMask, cdiv, expressions
 from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
                      device_out, on_device, require_gpu)
@@ -57,23 +59,53 @@ ERROR_KV_LEN, ERROR_PAGE = 1, 2
 #: plan. On: benchmarks/tune_decode.py on the H200 (fp16, D = 128, Hq 32 / Hkv 8, Nq 1) measured
 #: +11 % / +4 % / +3 % at B = 1 x 8k / 32k / 128k and within 1 % of the two-launch merge elsewhere.
 FUSED_COMBINE = True
-#: With a contiguous cache or page sizes that are multiples of 16, each half (16 rows) of a kv tile
-#: lies in one page: it takes one address and steps rows by the slot stride, instead of one address
-#: per row shuffled from its lane (kernels/decode_split.cuh issue_async_affine; head_dim <= 128).
-#: Off: measured no gain on the contiguous cache and pages of 16 and 64 (tune_decode.py, H200:
-#: within 1 % of per-row addresses on most cells, 4 % slower at B = 8 x 128k).
-AFFINE_ROWS = False
+
+
+
+class TileTable(Mapping):
+    """DECODE_TILES' type: a read-only mapping, hashed once, so that the plan cache and the
+    steady-state keys can hold the table itself (settings()). Tuning tools change it by rebinding:
+    ``decode.DECODE_TILES = decode.DECODE_TILES.updated({(128, 16): (2, 3)})``."""
+
+    __slots__ = ("_entries", "_hash")
+
+    def __init__(self, entries: Mapping) -> None:
+        self._entries = dict(entries)
+        self._hash = hash(frozenset(self._entries.items()))
+
+    def __getitem__(self, key):
+        return self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self._entries == dict(other) if isinstance(other, Mapping) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TileTable({self._entries!r})"
+
+    def updated(self, entries: Mapping) -> "TileTable":
+        """A new table: this one with ``entries`` added or replaced."""
+        return TileTable({**self._entries, **dict(entries)})
+
 
 #: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
 #: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
 #: 227 KB; plan_split_kv trims stages, then kv groups, where the arch has less.
-DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {
+DECODE_TILES = TileTable({
     (32, 16): (4, 4), (32, 32): (4, 4), (32, 64): (8, 4),
     (64, 16): (4, 4), (64, 32): (4, 4), (64, 64): (8, 3),
     (96, 16): (4, 3), (96, 32): (4, 3), (96, 64): (8, 3),
     (128, 16): (4, 3), (128, 32): (4, 3), (128, 64): (8, 3),
     (256, 16): (2, 3), (256, 32): (4, 3), (256, 64): (4, 3),
-}
+})
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -243,17 +275,22 @@ def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads
     longest = 1 << max(longest - 1, 0).bit_length()
     fused = FUSED_COMBINE if fused_combine is None else bool(fused_combine)
     return _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features,
-                          score_expr, num_splits, ragged, arch, _sms(num_sms), why, fused, _tiles_key())
+                          score_expr, num_splits, ragged, arch, _sms(num_sms), why, fused, settings())
 
 
-def _tiles_key() -> tuple:
-    """DECODE_TILES as a cache key: tuning tools may change the table between calls."""
-    return tuple(DECODE_TILES.items())
+def settings() -> tuple:
+    """What a plan depends on beside the call, read now: this module's tunables. Tuning tools and
+    tests change them between calls, so the plan cache and the steady-state keys (ops/forward.py,
+    ops/paged.py) include them: a changed tunable plans anew instead of replaying an old launch.
+    DECODE_MAX_ROWS decides whether attention() takes the decode kernel at all."""
+    return (FUSED_COMBINE, DECODE_MAX_ROWS, MAX_SPLITS, MIN_TILES_PER_GROUP, WAVE_TOLERANCE, RAGGED_WAVES,
+            RAGGED_MIN_KEYS, COMBINE_WARPS, DECODE_TILES)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features, score_expr,
-                   num_splits, ragged, arch, sms, why, fused=False, tiles=()) -> DecodePlan:
+                   num_splits, ragged, arch, sms, why, fused=False, tunables=()) -> DecodePlan:
+    # ``tunables`` (settings()) is only part of the cache key: the body reads the module's values.
     if rule is not None:
         causal, partial = rule.causal or rule.window > 0, False
     else:
@@ -558,19 +595,21 @@ SCRATCH_FIELDS = ("part_o", "part_ml")
 
 def _call(kernel: Any, grid: tuple, block: tuple, params: Any, fields: dict, shared_mem: int,
           record: Optional[list]) -> None:
-    """One launch with its struct packed by name; ``record`` (the steady state's, ops/recall.py)
-    collects what was launched, in order."""
-    kernel(grid, block, (params.pack(fields),), shared_mem=shared_mem)
+    """One launch with its struct packed by name, through a Launcher (jit/launch.py): the code the
+    steady state's replays run (ops/recall.py, ChainRecipe), so that first and later calls launch
+    alike, as the forward's and backward's do. ``record`` collects what was launched, in order."""
+    item = KernelLaunch(kernel, grid, block, shared_mem)
+    Launcher(bytes(params.pack(fields)), [item]).launch()
     if record is not None:
-        record.append((kernel, grid, block, shared_mem, params, fields))
+        record.append((item, params, fields))
 
 
 def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: float, *, kv_lens: Any = None,
            block_mask: Optional[BlockMask] = None, score_expr: Optional[expressions.CudaExpr] = None,
            record: Optional[list] = None) -> None:
     """Fill DecodeParams by name and launch the split kernel (and the combine) on the current stream.
-    ``record``, a list, receives (kernel, grid, block, shared_mem, struct, fields) per launch: what
-    attention()'s steady state replays with new pointers (ops/recall.py, ChainRecipe)."""
+    ``record``, a list, receives (KernelLaunch, struct, fields) per launch: what the steady state
+    replays with new pointers (ops/recall.py, ChainRecipe)."""
     cp = arrays.cupy_module()
     B, Hq, Nq, D = (int(n) for n in q.shape)
     item = q.itemsize
@@ -590,7 +629,6 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 or plan.fused else None,
         "part_o": part_o, "part_ml": part_ml,
         "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
-        "affine_rows": int(AFFINE_ROWS),
         "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
         "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
@@ -626,4 +664,4 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
 
 __all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention",
            "plan_split_kv", "launch", "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS",
-           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE", "AFFINE_ROWS"]
+           "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE", "TileTable", "settings"]

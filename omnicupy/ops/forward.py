@@ -208,17 +208,24 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
     return make_plan(inp, bm, stages, extras, arch)
 
 
-def _steady_key(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod, fuse_mask, kv_lens, num_splits,
-                cp) -> tuple:
-    """(key, views of q, k, v, view of out, view of kv_lens) of a call the steady state may serve;
-    key None when only the general path can take it (ops/recall.py)."""
+def _steady_key(q, k, v, out, kv_lens, block_mask, causal, scale, bias, score_mod, return_lse, stages, fuse_mask,
+                num_splits, cp) -> tuple:
+    """(key, mask, views of q, k, v, view of out, view of kv_lens) of a call the steady state may
+    serve (ops/recall.py), or (None, None, ...): then the general path runs. The key holds what
+    decides the launch: the arrays' layouts, the other arguments, the dispatch switches
+    (recall.signature) and the decode's tunables (decode.settings(): they decide whether the
+    decode kernel runs, and its plan)."""
+    nothing = None, None, None, None, None
+    # Device lengths only: host lengths are read on the host (they pick the decode plan), per call.
+    if not (kv_lens is None or type(kv_lens) is cp.ndarray) or not (bias is None or type(bias) is cp.ndarray):
+        return nothing
     views = (recall.view(q, cp), recall.view(k, cp), recall.view(v, cp))
     # A user ``out`` only as a CuPy array: the general path returns other kinds as CuPy views
     out_view = None if out is None or type(out) is not cp.ndarray else recall.view(out, cp)
     lens_view = None if kv_lens is None else recall.view(kv_lens, cp)
     if None in views or len(views[0][1]) != 4 or len(views[1][1]) != 4 or len(views[2][1]) != 4 \
-            or (out is not None and out_view is None) or not (bias is None or type(bias) is cp.ndarray):
-        return None, views, out_view, lens_view
+            or (out is not None and out_view is None):
+        return nothing
     if (scale is None and return_lse is False and stages is None and out is None and bias is None
             and score_mod is None and fuse_mask is False and kv_lens is None and num_splits is None):
         options = ()  # every option at its default: the common call keys on its arrays and causal only
@@ -226,7 +233,8 @@ def _steady_key(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod
         options = (out_view is None or out_view[1:], id(bias), id(score_mod), scale, return_lse, stages, fuse_mask,
                    num_splits, type(scale), type(return_lse), type(stages), type(fuse_mask), type(num_splits),
                    None if lens_view is None else lens_view[1:])
-    return recall.signature(views, (causal, type(causal), *options)), views, out_view, lens_view
+    key = recall.signature(views, (causal, type(causal), decode.settings(), *options))
+    return key, steady_mask(block_mask, causal, views[0][1][2], views[1][1][2]), views, out_view, lens_view
 
 
 def attention(
@@ -275,18 +283,15 @@ def attention(
     """
     key = None
     cp = arrays.cupy_module()
-    # Device lengths only: host lengths are read on the host (they pick the decode plan), per call.
-    if cp is not None and (kv_lens is None or type(kv_lens) is cp.ndarray):
+    if cp is not None:
         # The steady state (ops/recall.py): no GPU query here; a recipe exists only after a call ran.
-        key, views, out_view, lens_view = _steady_key(q, k, v, causal, scale, return_lse, stages, out, bias, score_mod,
-                                                      fuse_mask, kv_lens, num_splits, cp)
-        if key is not None:
-            mask = steady_mask(block_mask, causal, views[0][1][2], views[1][1][2])
-            if mask is not None:
-                result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view),
-                                                return_lse, cp, lens_view)
-                if result is not None:
-                    return result
+        key, mask, views, out_view, lens_view = _steady_key(q, k, v, out, kv_lens, block_mask, causal, scale, bias,
+                                                            score_mod, return_lse, stages, fuse_mask, num_splits, cp)
+        if mask is not None:
+            result = recall.launch_if_known(mask, key, views, None if out is None else (out, out_view), return_lse,
+                                            cp, lens_view)
+            if result is not None:
+                return result
     host_result = arrays.is_numpy(q)
     inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     scale = check_scale(scale, inp.head_dim)

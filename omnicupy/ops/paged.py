@@ -27,9 +27,8 @@ from .inputs import aligned, as_array, check_device, check_layout, check_scale, 
 LAYOUTS = ("NHD", "HND")
 MAX_CAPACITY = 2**31 - 1
 #: Steady-state launches of ``paged_attention(validate=False)`` per call signature (ops/recall.py):
-#: there is no BlockMask to keep them on. Cleared when full.
-_recipes: dict = {}
-MAX_RECIPES = 64
+#: there is no BlockMask to keep them on.
+_recipes = recall.RecipeStore()
 
 
 def _check_pages(k_pages: Any, v_pages: Any, q: Any, layout: str) -> tuple[Any, Any, int, int, int]:
@@ -191,9 +190,7 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
                     "page_table": table_d.data.ptr}
         chain = recall.ChainRecipe.from_record(record, pointers, decode.SCRATCH_FIELDS)
         if chain is not None:
-            if len(_recipes) >= MAX_RECIPES:
-                _recipes.clear()
-            _recipes[key] = replace(chain, keep=chain.keep + (score_mod,))  # the key names it by identity
+            _recipes.put(key, replace(chain, keep=chain.keep + (score_mod,)))  # the key names it by identity
     if out is not None and o is not out:
         out[...] = o.get() if arrays.is_numpy(out) else o
         o = out
@@ -205,7 +202,8 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
 
 def _steady_key(arrays_in: tuple, out: Any, scalars: tuple, cp) -> tuple[Optional[tuple], Optional[tuple]]:
     """(key, views of q, k_pages, v_pages, page_table, kv_lens[, out]) of a call the steady state may
-    serve, or (None, None). Scalars enter with their types (2 and 2.0 are equal keys)."""
+    serve, or (None, None). Scalars enter with their types (2 and 2.0 are equal keys); the decode's
+    tunables (decode.settings()) decide the plan, so they are part of the key too."""
     views = tuple(recall.view(x, cp) for x in arrays_in)
     out_view = None
     if out is not None:
@@ -215,7 +213,7 @@ def _steady_key(arrays_in: tuple, out: Any, scalars: tuple, cp) -> tuple[Optiona
     if None in views:
         return None, None
     all_views = views if out_view is None else (*views, out_view)
-    key = (*recall.signature(all_views, ()), *scalars, *map(type, scalars))
+    key = (*recall.signature(all_views, ()), *scalars, *map(type, scalars), *decode.settings())
     try:
         hash(key)
     except TypeError:  # an unhashable argument: the general path says what is wrong

@@ -15,7 +15,8 @@ whose DLPack exchange orders the streams.
 
 The dispatch switches (OMNICUPY_MMA, OMNICUPY_SCHEDULE) are part of the key and read on every
 call, from ``os.environ``'s own mapping (no decoding): a change through ``os.environ`` takes effect
-on the next call, as on the general path.
+on the next call, as on the general path. So are the decode's tunables (ops/decode.settings(),
+added by the decode callers): a tunable changed between calls plans anew.
 
 Knows arrays' layouts and struct offsets; decides nothing (ops/forward.py, ops/backward.py do).
 """
@@ -41,8 +42,8 @@ from ..mask import BlockMask
 #: The forward's per-call pointer fields: everything else in the struct is fixed by the call's signature.
 POINTER_FIELDS = ("q", "k", "v", "o", "lse")
 _POINTER = struct.Struct("<Q")
-#: Recipes kept per mask (on the BlockMask object, so they go with it).
-MAX_RECIPES_PER_MASK = 64
+#: Recipes one RecipeStore keeps (each BlockMask's, paged_attention()'s).
+MAX_RECIPES = 64
 #: Environment switches that change the plan; read raw per call (parsed on the general path).
 SWITCHES = ("OMNICUPY_MMA", "OMNICUPY_SCHEDULE")
 _TYPESTRS = {"<f2": np.dtype(np.float16), "<f4": np.dtype(np.float32)}
@@ -184,11 +185,11 @@ class ChainRecipe:
     @classmethod
     def from_record(cls, record: Sequence[tuple], call_pointers: dict, scratch_fields: Sequence[str]
                     ) -> Optional["ChainRecipe"]:
-        """From ``(kernel, grid, block, shared_mem, struct, fields)`` per launch. ``call_pointers``: the
-        first call's pointer of each CALL_FIELDS name it passed (None: absent). None when a recorded
-        field does not hold the call's array (a copy was made): such a call cannot be replayed."""
+        """From ``(KernelLaunch, struct, fields)`` per launch (ops/decode.py's record). ``call_pointers``:
+        the first call's pointer of each CALL_FIELDS name it passed (None: absent). None when a
+        recorded field does not hold the call's array (a copy was made): such a call cannot be replayed."""
         steps, scratch, keep, at = [], {}, [], 0
-        for kernel, grid, block, shared_mem, params, fields in record:
+        for item, params, fields in record:
             names = []
             for p in params.params:
                 value = fields.get(p.name)
@@ -204,7 +205,7 @@ class ChainRecipe:
                         at += -(-int(value.nbytes) // SCRATCH_ALIGN) * SCRATCH_ALIGN
                     names.append(p.name)
             fixed = dict(fields, **{name: None for name in names})
-            launcher = Launcher(bytes(params.pack(fixed)), [KernelLaunch(kernel, grid, block, shared_mem)])
+            launcher = Launcher(bytes(params.pack(fixed)), [item])
             steps.append((launcher, PointerSlots(params.offset(n) for n in names), tuple(names)))
             keep.extend(_kept(fields, names))
         return cls(tuple(steps), tuple(scratch.items()), at, tuple(keep))
@@ -313,10 +314,7 @@ def _same_device(views, cp) -> Optional[int]:
 def launch_if_known(bm: BlockMask, key: tuple, qkv, out_view, return_lse: bool, cp, kv_lens_view=None):
     """Launch from the mask's recipe for ``key``; None when there is none or the pointers do not
     allow it (misaligned, on another device): then the general path runs."""
-    try:
-        recipe = bm._recipes.get(key)
-    except TypeError:  # an unhashable argument: the general path says what is wrong
-        return None
+    recipe = recipe_for(bm, key)
     if recipe is None:
         return None
     qv, kv, vv = qkv
@@ -366,28 +364,76 @@ def overlaps(view: tuple, others: Sequence[tuple]) -> bool:
     return False
 
 
+class RecipeStore:
+    """Steady-state recipes by call signature, at most ``limit`` of them: when full, the store is
+    cleared before a new signature goes in, so that a workload of ever-new signatures plans again
+    instead of keeping every launch (and the arrays its struct points at) alive. A key that cannot
+    be hashed is never stored nor found: the general path says what is wrong with such a call.
+    One per BlockMask (made with its first recipe, store_of: the recipes go with the mask) and one
+    for paged_attention(), which has no mask to keep them on."""
+
+    __slots__ = ("limit", "_recipes")
+
+    def __init__(self, limit: int = MAX_RECIPES) -> None:
+        self.limit = limit
+        self._recipes: dict = {}
+
+    def get(self, key: Any) -> Optional[Any]:
+        try:
+            return self._recipes.get(key)
+        except TypeError:
+            return None
+
+    def put(self, key: Any, recipe: Any) -> None:
+        try:
+            known = key in self._recipes
+        except TypeError:
+            return
+        if not known and len(self._recipes) >= self.limit:
+            self._recipes.clear()
+        self._recipes[key] = recipe
+
+    def clear(self) -> None:
+        self._recipes.clear()
+
+    def __len__(self) -> int:
+        return len(self._recipes)
+
+    def __iter__(self):
+        return iter(self._recipes)
+
+    def __contains__(self, key: Any) -> bool:
+        return self.get(key) is not None
+
+    def values(self):
+        return self._recipes.values()
+
+    def items(self):
+        return self._recipes.items()
+
+
+def store_of(bm: BlockMask) -> RecipeStore:
+    """The mask's recipe store, made on first use (the mask module knows nothing of recipes)."""
+    store = bm._recipes
+    if store is None:
+        store = bm._recipes = RecipeStore()
+    return store
+
+
 def recipe_for(bm: BlockMask, key: Optional[tuple]) -> Optional[Recipe]:
     """The mask's recipe for ``key``, or None (also for an unhashable key)."""
-    if key is None:
+    store = bm._recipes
+    if store is None or key is None:
         return None
-    try:
-        return bm._recipes.get(key)
-    except TypeError:
-        return None
+    return store.get(key)
 
 
 def remember(bm: BlockMask, key: Optional[tuple], recipe: Recipe, *alive: Any) -> None:
     """Keep ``recipe`` for ``key`` on the mask; ``alive``: objects the key names by identity."""
-    if key is None:
-        return
-    try:
-        hash(key)
-    except TypeError:
-        return
-    if len(bm._recipes) >= MAX_RECIPES_PER_MASK:
-        bm._recipes.clear()
-    bm._recipes[key] = replace(recipe, keep=recipe.keep + alive)
+    if key is not None:
+        store_of(bm).put(key, replace(recipe, keep=recipe.keep + alive))
 
 
-__all__ = ["CALL_FIELDS", "ChainRecipe", "POINTER_FIELDS", "PointerSlots", "Recipe", "SWITCHES", "hold_if_capturing",
-           "launch_if_known", "overlaps", "recipe_for", "release_captured", "remember", "signature", "switches", "view"]
+__all__ = ["CALL_FIELDS", "ChainRecipe", "MAX_RECIPES", "POINTER_FIELDS", "PointerSlots", "Recipe", "RecipeStore",
+           "SWITCHES", "hold_if_capturing", "launch_if_known", "overlaps", "recipe_for", "release_captured", "remember",
+           "signature", "store_of", "switches", "view"]

@@ -10,7 +10,7 @@
 #   3 memcheck     the same steps at 1/8 size (--preset small) under compute-sanitizer memcheck
 #                  (names the kernel and address of any out-of-bounds access)
 #   3b memcheck2  tests/sanitize_decode.py under memcheck: contiguous/paged/block-mask decode with the
-#                  combine kernel, the fused combine and affine row addresses
+#                  combine kernel and the fused combine
 #   4 tests        tests/test_decode_gpu.py: every decode/paged/varlen case against float64, the
 #                  new prefill-at-bench-size regression tests and the fused-combine tests
 #   5 tune         benchmarks/tune_decode.py: decode candidates side by side (table last), Nq 1

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU check of branch decode-clean (issue 16: affine rows removed, decode tunables in the
+# steady-state keys, one RecipeStore, the decode's first call through a Launcher). Run from the
+# repository root on one H200 (CUDA 13, cupy-cuda13x), within 300 s; logs go to $OUT (default
+# /tmp/decode_check); the summary table comes last.
+#
+#   bash tools/dev/decode_check.sh
+#
+#   1 precompile  the shipped decode + combine variants for this GPU's arch (omnicupy precompile)
+#   2 tests       the decode/paged/varlen and host-path GPU tests (test_decode_gpu.py,
+#                 test_host_path_gpu.py: every case against float64, steady-state replays)
+#   3 memcheck    tests/sanitize_decode.py under compute-sanitizer memcheck: contiguous (combine
+#                 kernel and fused combine), paged 16 NHD / 64 HND, block mask; D 128 fp16
+#   4 tune        benchmarks/tune_decode.py, quick: the shipped kernel (fused combine) on the
+#                 contiguous cache and on pages of 16, B 1/8/32 x 8k/32k/128k, K+V TB/s table
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=. OMNICUPY_CACHE_DIR=${OMNICUPY_CACHE_DIR:-/tmp/oc_decode_check}
+OUT=${OUT:-/tmp/decode_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+SUMMARY=()
+T0=$(date +%s)
+
+step() {  # step NAME SECONDS command...
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/decode_check.log"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n 15 "$OUT/$name.log" | tee -a "$OUT/decode_check.log"
+  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" \
+    "$(grep -E 'passed|failed|error|ERROR SUMMARY|decode sanitize run|compiled|variants' "$OUT/$name.log" \
+       | tail -n 2 | tr '\n' ' ' | cut -c1-150)")")
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+"$PY" -c "import cupy; print('cupy', cupy.__version__, 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" \
+  >> "$OUT/gpu.txt" 2>&1
+git log --oneline -1 >> "$OUT/gpu.txt" 2>&1
+
+step precompile 35 "$PY" -m omnicupy precompile --ops decode --dtypes fp16,bf16 --jobs 16 --quiet
+step tests 130 "$PY" -m pytest -q -m gpu -p no:cacheprovider -x tests/test_decode_gpu.py tests/test_host_path_gpu.py
+if [ -n "$SAN" ]; then
+  step memcheck 45 "$SAN" --tool memcheck --report-api-errors no --print-limit 20 "$PY" tests/sanitize_decode.py \
+    --head-dims 128 --dtypes fp16
+else
+  SUMMARY+=("memcheck   skipped: no compute-sanitizer")
+fi
+step tune 80 "$PY" benchmarks/tune_decode.py --candidates fused --paged 16 --paged-candidates fused --reps 2 \
+  --json "$OUT/tune_decode.json"
+
+echo
+echo "---- tune table (K+V TB/s; fused = the shipped kernel, /ps16 = pages of 16)"
+sed -n '/^decode tuning/,$p' "$OUT/tune.log"
+echo "---- gpu"
+cat "$OUT/gpu.txt"
+echo "---- summary (logs in $OUT; $(( $(date +%s) - T0 )) s in all)"
+printf '%s\n' "${SUMMARY[@]}"
