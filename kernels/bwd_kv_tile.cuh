@@ -230,7 +230,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     }
     __syncthreads();  // dSᵀ complete
 
-    // ---- dQ += dS K (fp32 atomics; in deterministic mode in increasing kv tile order) ----
+    // ---- dQ += dS K (fp32 atomics; in deterministic mode in decreasing kv tile order) ----
     {
       const int wr = warp % S::kDqRowWarps, wc = warp / S::kDqRowWarps;
       const int m0 = wr * S::kDqMTiles * 16;   // first q row (local) of this warp
