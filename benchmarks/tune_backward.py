@@ -47,8 +47,9 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
 
 
 def precompile(head_dims, dtypes, candidates, jobs: int, family: str = "sync") -> None:
-    """Build every (tile, head dim, dtype, mask feature) variant in parallel first (cli.precompile)."""
-    from omnicupy import cli, jit
+    """Build every (tile, head dim, dtype, mask feature) variant in parallel first (the precompile command's builder)."""
+    from omnicupy import jit
+    from omnicupy.cli.precompile import precompile as build_variants
 
     variants = []
     for hd in head_dims:
@@ -57,7 +58,7 @@ def precompile(head_dims, dtypes, candidates, jobs: int, family: str = "sync") -
                 for causal in (False, True):
                     for partial in (False, True):
                         variants.append(tiles.backward_variant(tile, hd, dt, causal, partial, family=family))
-    cli.precompile(variants, [jit.device_arch()], "tune_backward", jobs, quiet=True)
+    build_variants(variants, [jit.device_arch()], "tune_backward", jobs, quiet=True)
 
 
 def main(argv=None) -> int:
