@@ -196,26 +196,25 @@ __device__ __forceinline__ void store_ds_rows(u16* sdS, const u32 (&a)[kSteps][4
 }
 
 // ---------------------------------------------------------------- which CTA
-// Heads (kv head, batch pairs) dispatched together in deterministic mode (deterministic_cta).
+// Heads (kv head, batch pairs) dispatched together by deterministic_cta.
 constexpr int kDeterministicHeadGroup = 4;
 
-// The (kv tile, column pass, kv head, batch) a CTA owns; the grid is (kv tiles x passes, kv heads,
-// batch), dispatched in linear order. Deterministic dQ adds each q tile's kv tiles in decreasing
-// order (ops/backward_index.py, ranks) and a CTA spins until its turn, so it may only wait for
-// CTAs dispatched before it: the last kv tile goes first. Dispatched head by head, one head's
-// co-resident kv tiles all start at its first q tile and the j-th waits j steps for its turn (a
-// staircase as deep as the SMs hold CTAs). Deterministic CTAs therefore go out in groups of
-// kDeterministicHeadGroup heads, and within a group by kv tile with the heads fastest: each head
-// then has a quarter of the CTAs resident, a new CTA starts steps behind its predecessor instead
-// of beside it, and the group's Q and dO (4 heads) still fit in L2. With every head at once the
-// L2 lost more than the waits saved (NOTES.md §18).
+// The (kv tile, column pass, kv head, batch) of a CTA of the wgmma family's deterministic kernel;
+// the grid is (kv tiles x column passes, kv heads, batch), dispatched in linear order.
+// Deterministic dQ adds each q tile's kv tiles in decreasing order (ops/backward_index.py, ranks)
+// and a CTA spins until its turn, so it may only wait for CTAs dispatched before it: the last kv
+// tile goes first. Dispatched head by head, one head's co-resident kv tiles all start at its
+// first q tile and the j-th waits j steps for its turn (a staircase as deep as the SMs hold CTAs).
+// So these CTAs go out in groups of kDeterministicHeadGroup heads, and within a group by kv tile
+// with the heads fastest: each head has a quarter of the resident CTAs, a new CTA starts steps
+// behind its predecessor instead of beside it, and the group's Q and dO (4 heads) still fit in L2.
+// With every head at once the L2 lost more than the waits saved (NOTES.md §18). (The mma.sync
+// kernel, one kernel for both modes, keeps the head-by-head order: its atomic code must not move.)
 struct Cta {
   int kv_tile, pass, hk, batch;
 };
 
-// The deterministic mode's CTA. Not inlined: the atomic mode's code (the default) stays as it was,
-// with its kv tile, head and batch read straight from blockIdx.
-__device__ __noinline__ Cta deterministic_cta(int passes) {
+__device__ __forceinline__ Cta deterministic_cta(int passes) {
   const int per_head = static_cast<int>(gridDim.x);                   // kv tiles x passes
   const int heads = static_cast<int>(gridDim.y * gridDim.z);          // (kv head, batch) pairs
   const int linear = static_cast<int>(blockIdx.x) + per_head * static_cast<int>(blockIdx.y + gridDim.y * blockIdx.z);

@@ -101,16 +101,16 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const bool deterministic = p.dq_semaphore != nullptr;
-  // Deterministic: the last kv tile first, in groups of heads (bwd_common.cuh, deterministic_cta).
-  const bwd::Cta cta = deterministic ? bwd::deterministic_cta(S::kPasses)
-                                     : bwd::Cta{static_cast<int>(blockIdx.x) / S::kPasses,
-                                                static_cast<int>(blockIdx.x) % S::kPasses, static_cast<int>(blockIdx.y),
-                                                static_cast<int>(blockIdx.z)};
-  const int kv_tile = cta.kv_tile, pass = cta.pass, hk = cta.hk, batch = cta.batch;
+  // Deterministic dQ adds each q tile's kv tiles in decreasing order (ops/backward_index.py,
+  // ranks), so the last kv tile is launched first: a CTA only ever waits for CTAs launched before it.
+  const int kv_tiles = gridDim.x / S::kPasses, pass = blockIdx.x % S::kPasses;
+  const int kv_tile = p.dq_semaphore != nullptr ? kv_tiles - 1 - static_cast<int>(blockIdx.x) / S::kPasses
+                                                : static_cast<int>(blockIdx.x) / S::kPasses;
+  const int hk = blockIdx.y, batch = blockIdx.z;
   const int kv0 = kv_tile * kBc;
   const int col0 = pass * C::kDOut;  // first dK/dV/dQ column of this CTA
   const int group = p.kv_group, q_len = p.q_len, kv_len = p.kv_len;
+  const bool deterministic = p.dq_semaphore != nullptr;
   const int warp_row0 = warp * S::kWarpRows;  // this warp's first kv row within the tile
 
   // ---- K and V: loaded once ----
