@@ -195,6 +195,38 @@ __device__ __forceinline__ void store_ds_rows(u16* sdS, const u32 (&a)[kSteps][4
   }
 }
 
+// ---------------------------------------------------------------- which CTA
+// Heads (kv head, batch pairs) dispatched together by deterministic_cta.
+constexpr int kDeterministicHeadGroup = 4;
+
+// The (kv tile, column pass, kv head, batch) of a CTA of the wgmma family's deterministic kernel;
+// the grid is (kv tiles x column passes, kv heads, batch), dispatched in linear order.
+// Deterministic dQ adds each q tile's kv tiles in decreasing order (ops/backward_index.py, ranks)
+// and a CTA spins until its turn, so it may only wait for CTAs dispatched before it: the last kv
+// tile goes first. Dispatched head by head, one head's co-resident kv tiles all start at its
+// first q tile and the j-th waits j steps for its turn (a staircase as deep as the SMs hold CTAs).
+// So these CTAs go out in groups of kDeterministicHeadGroup heads, and within a group by kv tile
+// with the heads fastest: each head has a quarter of the resident CTAs, a new CTA starts steps
+// behind its predecessor instead of beside it, and the group's Q and dO (4 heads) still fit in L2.
+// With every head at once the L2 lost more than the waits saved (NOTES.md §18). (The mma.sync
+// kernel, one kernel for both modes, keeps the head-by-head order: its atomic code must not move.)
+struct Cta {
+  int kv_tile, pass, hk, batch;
+};
+
+__device__ __forceinline__ Cta deterministic_cta(int passes) {
+  const int per_head = static_cast<int>(gridDim.x);                   // kv tiles x passes
+  const int heads = static_cast<int>(gridDim.y * gridDim.z);          // (kv head, batch) pairs
+  const int linear = static_cast<int>(blockIdx.x) + per_head * static_cast<int>(blockIdx.y + gridDim.y * blockIdx.z);
+  const int group = linear / (kDeterministicHeadGroup * per_head);    // every group before it is full
+  const int first = group * kDeterministicHeadGroup;
+  const int size = min(kDeterministicHeadGroup, heads - first);
+  const int within = linear - first * per_head;
+  const int hb = first + within % size, rest = within / size;        // rest: dispatch rank of (kv tile, pass)
+  return {per_head / passes - 1 - rest / passes, rest % passes, hb % static_cast<int>(gridDim.y),
+          hb / static_cast<int>(gridDim.y)};
+}
+
 // ---------------------------------------------------------------- deterministic dQ order
 __device__ __forceinline__ int load_acquire(const int* ptr) {
   int v;

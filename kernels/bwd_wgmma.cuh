@@ -129,7 +129,9 @@ __device__ __forceinline__ void hold(const u32 (&a)[kSteps][4]) {
 }
 
 // ================================================================ the kernel body
-template <class C, class F, class P>
+// kDeterministic: dQ added in the fixed kv tile order (p.dq_semaphore), a kernel of its own so that
+// the atomic one (the default) carries none of the turn-taking code.
+template <class C, class F, bool kDeterministic, class P>
 __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
   using S = Shape<C>;
   using T = typename C::T;
@@ -149,11 +151,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // Through a shuffle, so that the compiler knows it is warp-uniform (descriptors in uniform registers).
   const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
-  const bool deterministic = p.dq_semaphore != nullptr;
-  // Deterministic dQ: the last kv tile is launched first (bwd_kv_tile.cuh says why).
-  const int kv_tile = deterministic ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
-                                    : static_cast<int>(blockIdx.x);
-  const int hk = blockIdx.y, batch = blockIdx.z;
+  constexpr bool deterministic = kDeterministic;
+  // Deterministic: the last kv tile first, in groups of heads (bwd_common.cuh, deterministic_cta).
+  const bwd::Cta cta = deterministic ? bwd::deterministic_cta(1)
+                                     : bwd::Cta{static_cast<int>(blockIdx.x), 0, static_cast<int>(blockIdx.y),
+                                                static_cast<int>(blockIdx.z)};
+  const int kv_tile = cta.kv_tile, hk = cta.hk, batch = cta.batch;
   const int kv0 = kv_tile * kBc;
   const int group = p.kv_group, q_len = p.q_len, kv_len = p.kv_len;
   const int warp_row0 = warp * 16;  // this warp's first kv row within the tile (wgmma: 16 per warp)

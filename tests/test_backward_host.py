@@ -207,7 +207,7 @@ def test_backward_variant_compiles(variant, arch, compile_cache):
     entry, _ = jit.build(variant, arch, cache=compile_cache)
     assert entry.meta["kernel"] == variant.name and entry.size > 1000
     source = jit.render.render_source(variant)
-    for suffix in ("_pre", "", "_dq"):
+    for suffix in ("_pre", "", "_dq") + (("_det",) if variant.family == "wgmma" else ()):
         assert "void __launch_bounds__(" in source and f" {variant.name}{suffix}(const __grid_constant__ BwdParams params)" in source
 
 
@@ -257,3 +257,32 @@ def test_inputs_line_up_in_pointer_order():
 
     got = backward._in_pointer_order(q="q", k="k", v="v", out="o", dout="dout", lse="lse")
     assert got == backward.POINTER_FIELDS[:6]
+
+
+@pytest.mark.parametrize("family", ["wgmma", "sync"])
+def test_deterministic_main_kernel_gets_the_shared_memory_opt_in(monkeypatch, family):
+    """The wgmma family's deterministic main is an entry point of its own: it needs the same
+    dynamic shared memory opt-in as the main kernel (a launch without it fails); the mma.sync kernel
+    serves both modes."""
+    import cupy
+
+    from omnicupy import jit
+    from omnicupy.ops import backward
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name, self.max_dynamic_shared_size_bytes = name, 0
+
+        def sibling(self, name):
+            return FakeKernel(name)
+
+    variant = next(v for v in tiles.shipped_backward_variants(families=(family,)) if v.smem_bytes > 48 * 1024)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(jit, "get_kernel", lambda v: FakeKernel(v.name))
+    monkeypatch.setattr(backward, "_modules", {})
+    pre, atomic, ordered, convert = backward._kernels(variant)
+    assert (pre.name, atomic.name, convert.name) == (f"{variant.name}_pre", variant.name, f"{variant.name}_dq")
+    if family == "wgmma":
+        assert ordered.name == f"{variant.name}_det" and ordered.max_dynamic_shared_size_bytes == variant.smem_bytes
+    else:
+        assert ordered is atomic

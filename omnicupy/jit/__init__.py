@@ -25,7 +25,7 @@ from .spec import KernelSpec
 
 __all__ = [
     "KernelSpec", "build", "get_kernel", "device_arch", "default_cache", "cache_stem", "CacheEntry", "DiskCache",
-    "LoadedKernel", "MIN_ARCH",
+    "LoadedKernel", "MIN_ARCH", "DEFAULT_DYNAMIC_SMEM", "opt_in_shared_memory",
 ]
 
 #: The kernels use cp.async, ldmatrix and mma.sync m16n8k16 with bf16: Ampere (sm_80) or newer.
@@ -153,6 +153,17 @@ _loaded: dict = {}
 _loaded_lock = threading.Lock()
 
 
+#: Dynamic shared memory a kernel may use without opting in (CUDA's default limit).
+DEFAULT_DYNAMIC_SMEM = 48 * 1024
+
+
+def opt_in_shared_memory(kernel: LoadedKernel, smem_bytes: int) -> None:
+    """Let ``kernel`` launch with ``smem_bytes`` of dynamic shared memory: above the default 48 KB
+    the driver wants the kernel's limit raised first (per function, once)."""
+    if smem_bytes > DEFAULT_DYNAMIC_SMEM:
+        kernel.max_dynamic_shared_size_bytes = smem_bytes
+
+
 def get_kernel(variant: KernelSpec) -> LoadedKernel:
     """A callable kernel for ``variant`` on the current device, compiled or loaded from the cache.
     The module is loaded from the bytes the cache verified, never from the file again."""
@@ -168,7 +179,6 @@ def get_kernel(variant: KernelSpec) -> LoadedKernel:
         if kernel is None:
             entry, _ = build(variant, device_arch(device_id))
             kernel = LoadedKernel(entry.data, variant.name)
-            if variant.smem_bytes > 48 * 1024:
-                kernel.max_dynamic_shared_size_bytes = variant.smem_bytes
+            opt_in_shared_memory(kernel, variant.smem_bytes)
             _loaded[key] = kernel
     return kernel

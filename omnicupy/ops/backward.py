@@ -96,7 +96,10 @@ _modules_lock = threading.Lock()
 
 
 def _kernels(variant) -> tuple:
-    """(preprocess, main, convert) functions of ``variant``'s module on the current device."""
+    """(preprocess, main, deterministic main, convert) functions of ``variant``'s module on the
+    current device. The wgmma family has a deterministic main of its own (dQ in the fixed kv tile
+    order), so that the default carries none of its code; the mma.sync kernel reads the mode at run
+    time (``dq_semaphore`` set or not), and is both mains."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
@@ -107,7 +110,11 @@ def _kernels(variant) -> tuple:
             found = _modules.get(key)
             if found is None:
                 main = jit.get_kernel(variant)  # loaded from the bytes the cache verified
-                found = (main.sibling(f"{variant.name}_pre"), main, main.sibling(f"{variant.name}_dq"))
+                ordered = main
+                if variant.family == "wgmma":
+                    ordered = main.sibling(f"{variant.name}_det")
+                    jit.opt_in_shared_memory(ordered, variant.smem_bytes)  # as jit.get_kernel does for main
+                found = (main.sibling(f"{variant.name}_pre"), main, ordered, main.sibling(f"{variant.name}_dq"))
                 _modules[key] = found
     return found
 
@@ -196,13 +203,14 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
             extras: BackwardExtras, deterministic: bool) -> recall.Recipe:
     cp = arrays.cupy_module()
     try:
-        pre, main, convert = _kernels(plan.variant)
+        pre, atomic, ordered, convert = _kernels(plan.variant)
     except CompileError as exc:
         exprs = [e.text for e in (extras.mask_expr, extras.score_expr) if e is not None]
         if not exprs:
             raise
         raise CompileError(f"the CUDA expression(s) {exprs} (or the score derivative {extras.score_grad!r}) "
                            f"did not compile:\n{exc}") from None
+    main = ordered if deterministic else atomic
     variant = plan.variant
     B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
