@@ -219,3 +219,27 @@ def test_bad_arch_is_an_argument_error():
 
     with pytest.raises(ArgumentError, match="sm_80"):
         compiler.normalize_arch("hopper")
+
+
+_PTXAS_LOG = """ptxas info    : Compiling entry function 'k_dq' for 'sm_90'
+ptxas info    : Function properties for k_dq
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 22 registers, used 0 barriers
+ptxas info    : Compiling entry function 'k' for 'sm_90'
+ptxas info    : Function properties for k
+ptxas         .     80 bytes stack frame, 112 bytes spill stores, 80 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 80 bytes cumulative stack size
+"""
+
+
+@pytest.mark.parametrize("log, name, expected", [
+    pytest.param(_PTXAS_LOG, "k", (255, 192), id="the-named-entry-not-the-first"),
+    pytest.param(_PTXAS_LOG, "k_dq", (22, 0), id="a-sibling-by-name"),
+    pytest.param(_PTXAS_LOG, "other", (255, 192), id="no-such-entry-the-most-of-any"),
+    pytest.param("", "k", (None, None), id="no-report"),
+])
+def test_compile_reports_the_variants_own_entry(log, name, expected):
+    """A module of several entry points (the backward's preprocess, main and conversion) is reported
+    by the variant's own kernel: the cache once recorded whichever ptxas listed first (the backward's
+    conversion kernel: 22 registers, no spills, for a main kernel at 255 that spills)."""
+    assert compiler._named_report(log, name) == expected

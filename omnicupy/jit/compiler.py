@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..errors import ArgumentError, CompileError
 
@@ -104,8 +104,27 @@ class CompileResult:
     options: tuple[str, ...]
 
 
-_REG_RE = re.compile(r"Used (\d+) registers")
-_SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+#: ptxas -v's report of one entry function: its name, spills, then registers.
+_ENTRY_RE = re.compile(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores, (\d+) bytes spill loads"
+                       r"\n.*?Used (\d+) registers")
+
+
+def entry_reports(log: str) -> dict[str, tuple[int, int]]:
+    """{entry function: (registers, spill bytes)} from a ptxas -v log."""
+    return {m.group(1): (int(m.group(4)), int(m.group(2)) + int(m.group(3))) for m in _ENTRY_RE.finditer(log)}
+
+
+def _named_report(log: str, name: str) -> tuple[Optional[int], Optional[int]]:
+    """(registers, spill bytes) of the entry ``name`` (the variant's kernel), else the most of any entry
+    (a module whose entries all carry suffixes): a module of several entry points (the backward's
+    preprocess, main and conversion) lists them in no fixed order, and the first one is not the one
+    that matters."""
+    reports = entry_reports(log)
+    if name in reports:
+        return reports[name]
+    if not reports:
+        return None, None
+    return max(r for r, _ in reports.values()), max(s for _, s in reports.values())
 
 
 def compile_cubin(
@@ -142,12 +161,11 @@ def compile_cubin(
         cubin = _call("getCUBIN", nvrtc.getCUBIN, prog)
     finally:
         nvrtc.destroyProgram(prog)
-    regs = _REG_RE.search(log)
-    spills = _SPILL_RE.search(log)
+    registers, spill_bytes = _named_report(log, name)
     return CompileResult(
         cubin=bytes(cubin),
         log=log,
-        registers=int(regs.group(1)) if regs else None,
-        spill_bytes=(int(spills.group(1)) + int(spills.group(2))) if spills else None,
+        registers=registers,
+        spill_bytes=spill_bytes,
         options=options,
     )
