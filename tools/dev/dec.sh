@@ -15,27 +15,11 @@
 #                  new prefill-at-bench-size regression tests and the fused-combine tests
 #   5 tune         benchmarks/tune_decode.py: decode candidates side by side (table last), Nq 1
 #                  on the 9 cells (contiguous, paged 16/64), then Nq 16 on B 8/32 x 32k
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=. OMNICUPY_CACHE_DIR=/tmp/oc_dec
-OUT=${OUT:-/tmp/dec_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-SUMMARY=()
-T0=$(date +%s)
-
-step() {  # step NAME SECONDS command...
-  local name=$1 limit=$2 start rc
-  shift 2
-  start=$(date +%s)
-  echo "=== $name: $*" | tee -a "$OUT/dec.log"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  tail -n 25 "$OUT/$name.log" | tee -a "$OUT/dec.log"
-  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" \
-    "$(grep -E 'STEP .*(FAILED|WRONG)|passed|failed|ERROR SUMMARY|prefill reproducer:|precompiled|decode sanitize run' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")")
-}
+OUT_DEFAULT=/tmp/dec_out LOG=dec.log
+STEP_PATTERN='STEP .*(FAILED|WRONG)|passed|failed|ERROR SUMMARY|prefill reproducer:|precompiled|decode sanitize run'
+STEP_TAIL=25 STEP_LINES=3
+export OMNICUPY_CACHE_DIR=/tmp/oc_dec
+source "$(dirname "$0")/steps.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 step precompile 50 "$PY" tools/dev/dec_precompile.py
@@ -57,5 +41,4 @@ echo "---- tune tables"
 sed -n '/^decode tuning/,$p' "$OUT/tune.log" "$OUT/tune16.log"
 echo "---- repro steps"
 grep -E '^STEP' "$OUT/repro.log" | tail -n 40  # a step with no result line after its "..." faulted
-echo "---- summary (logs in $OUT; $(( $(date +%s) - T0 )) s in all)"
-printf '%s\n' "${SUMMARY[@]}"
+print_summary

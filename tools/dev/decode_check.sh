@@ -13,28 +13,10 @@
 #                 kernel and fused combine), paged 16 NHD / 64 HND, block mask; D 128 fp16
 #   4 tune        benchmarks/tune_decode.py, quick: the shipped kernel (fused combine) on the
 #                 contiguous cache and on pages of 16, B 1/8/32 x 8k/32k/128k, K+V TB/s table
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=. OMNICUPY_CACHE_DIR=${OMNICUPY_CACHE_DIR:-/tmp/oc_decode_check}
-OUT=${OUT:-/tmp/decode_check}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-SUMMARY=()
-T0=$(date +%s)
-
-step() {  # step NAME SECONDS command...
-  local name=$1 limit=$2 start rc
-  shift 2
-  start=$(date +%s)
-  echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/decode_check.log"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  tail -n 15 "$OUT/$name.log" | tee -a "$OUT/decode_check.log"
-  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" \
-    "$(grep -E 'passed|failed|error|ERROR SUMMARY|decode sanitize run|compiled|variants' "$OUT/$name.log" \
-       | tail -n 2 | tr '\n' ' ' | cut -c1-150)")")
-}
+OUT_DEFAULT=/tmp/decode_check LOG=decode_check.log
+STEP_PATTERN='passed|failed|error|ERROR SUMMARY|decode sanitize run|compiled|variants'
+export OMNICUPY_CACHE_DIR=${OMNICUPY_CACHE_DIR:-/tmp/oc_decode_check}
+source "$(dirname "$0")/steps.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'CUDA runtime', cupy.cuda.runtime.runtimeGetVersion())" \
@@ -57,5 +39,4 @@ echo "---- tune table (K+V TB/s; fused = the shipped kernel, /ps16 = pages of 16
 sed -n '/^decode tuning/,$p' "$OUT/tune.log"
 echo "---- gpu"
 cat "$OUT/gpu.txt"
-echo "---- summary (logs in $OUT; $(( $(date +%s) - T0 )) s in all)"
-printf '%s\n' "${SUMMARY[@]}"
+print_summary
