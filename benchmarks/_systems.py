@@ -215,6 +215,19 @@ def make_inputs(gpu: Gpu, case: _cases.Case, seed: int) -> Inputs:
     return Inputs([tuple(randn() for _ in range(3)) for _ in range(copies)], None)
 
 
+def device_normal(cp, shape, dtype, rng, chunk: int = 1 << 24):
+    """Unit normals of ``dtype`` drawn on the device by ``rng`` (a CuPy Generator) in chunks of
+    ``chunk`` elements: no float32 copy of a multi-GB array, and one launch per chunk rather than per
+    row of a packed [total, H, D] array (the decode benchmark, tools/dev/dec_prefill.py and the
+    bench-sized decode tests draw their caches with it)."""
+    out = cp.empty(shape, dtype=dtype)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - start)
+        flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(out.dtype)
+    return out
+
+
 # --------------------------------------------------------------------------- reference
 class Reference:
     """float64 reference rows for a sample of queries of one or two (b, h) pairs of input set 0."""

@@ -31,7 +31,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pathlib import Path
+
 import numpy as np
+
+if __package__ in (None, ""):  # run as a script from a checkout: the root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _systems  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 BATCHES = (1, 8, 32)
@@ -66,13 +72,7 @@ class Gpu:
     def randn(self, shape, dtype: str, rng, chunk: int = 1 << 24):
         """Unit normal in chunks of ``chunk`` elements (no float32 copy of a whole cache, and no
         launch per row of a packed [total, H, D] array)."""
-        cp = self.cp
-        out = cp.empty(shape, dtype=self.np_dtype(dtype))
-        flat = out.reshape(-1)
-        for start in range(0, flat.size, chunk):
-            n = min(chunk, flat.size - start)
-            flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(out.dtype)
-        return out
+        return _systems.device_normal(self.cp, shape, self.np_dtype(dtype), rng, chunk)
 
     def torch_view(self, x):
         return self.torch.from_dlpack(x)

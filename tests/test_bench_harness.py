@@ -743,3 +743,12 @@ def test_build_table_shows_first_and_steady():
     assert "steady" in lines[0] and "first" in lines[0]
     assert lines[2] == "| causal | 1024 | 1.50 | 3800.00* | 2.25 | 9.00 |"
     assert lines[3] == "| document | 1024 | 3.00 | 4.00 | - | - |"
+
+
+@pytest.mark.parametrize("shape, chunk", [((3, 5, 7), 4), ((2, 9), 18), ((11,), 1 << 24)])
+def test_device_normal_draws_in_chunks_what_one_draw_gives(shape, chunk):
+    """The chunked draw (run here with NumPy in CuPy's place) is the generator's stream in order."""
+    got = _systems.device_normal(np, shape, np.float16, np.random.default_rng(5), chunk)
+    want = np.random.default_rng(5).standard_normal(int(np.prod(shape)), dtype=np.float32).astype(np.float16)
+    assert got.shape == shape and got.dtype == np.float16
+    np.testing.assert_array_equal(got.reshape(-1), want)

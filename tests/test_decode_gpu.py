@@ -9,6 +9,9 @@ call; every case prints its seed on failure.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -18,6 +21,11 @@ from omnicupy.ops import decode
 
 from decode_cases import compare, paged_from_contiguous, seed_of
 from helpers import random_block_mask, random_qkv
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # benchmarks/ is not installed; `pytest` alone does not put the root on the path
+    sys.path.insert(0, str(REPO))
+from benchmarks import _systems  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -279,16 +287,10 @@ def test_varlen_attention(request, q_lens, k_lens, Hq, Hkv, D, dtype, causal):
 PREFILL_LENGTHS = (1024, 2048, 3072, 4096, 8192, 12288, 16384, 32768)
 
 
-def _device_randn(cp, shape, seed, chunk=1 << 24):
-    """fp16 unit normals generated on the device in chunks of ``chunk`` elements (no float32 copy
+def _device_randn(cp, shape, seed):
+    """fp16 unit normals drawn on the device (the decode benchmark's chunked draw: no float32 copy
     of a multi-GB array)."""
-    rng = cp.random.default_rng(seed)
-    out = cp.empty(shape, dtype=np.float16)
-    flat = out.reshape(-1)
-    for start in range(0, flat.size, chunk):
-        n = min(chunk, flat.size - start)
-        flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(np.float16)
-    return out
+    return _systems.device_normal(cp, shape, np.float16, cp.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("lengths,Hq,Hkv,family", [

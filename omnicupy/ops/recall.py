@@ -218,8 +218,9 @@ class ChainRecipe:
             pointers = dict(pointers, **{name: memory.ptr + off for name, off in self.scratch})
             hold_if_capturing(memory, cp.cuda.get_current_stream())
         for launcher, slots, names in self.steps:
-            slots.write(launcher.args(), [pointers[n] for n in names])
-            launcher.launch()
+            slot = launcher.slot()  # this thread's buffer, looked up once per step (as Recipe.launch)
+            slots.write(slot.view, [pointers[n] for n in names])
+            launcher.fire(slot)
         del memory  # back to CuPy's pool, reusable by later work on this stream only
 
 

@@ -17,52 +17,31 @@
 # Each step has a timeout (150 + 2x35 + 2x60 + 50 s after a ~20 s precompile: worst case ~7 min,
 # expected well under 6).
 # Logs: $OUT/*.log; benchmark JSON: $OUT/bench_{sync,wgmma}/results.json.
-set -u
-cd "$(dirname "$0")/../.."
-export PYTHONPATH=.
+OUT_DEFAULT=/tmp/bw_out LOG=bw.log
+STEP_PATTERN='passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|WRONG|Error|TFLOP/s'
 export OMNICUPY_CACHE_DIR=/tmp/oc_bw
-OUT=${OUT:-/tmp/bw_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
-declare -A RC
+source "$(dirname "$0")/steps.sh"
 
-echo "[$(elapsed)s] precompile"
-$PY -m omnicupy precompile --ops forward,backward --stages 2 --arch sm_90 --jobs 16 --quiet >"$OUT/precompile.log" 2>&1
-RC[precompile]=$?
-tail -3 "$OUT/precompile.log"
-
-echo "[$(elapsed)s] wgmma backward GPU tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider --maxfail=40 -rfE tests/test_backward_wgmma_gpu.py \
-  >"$OUT/pytest_wgmma.log" 2>&1
-RC[pytest]=$?
-tail -15 "$OUT/pytest_wgmma.log"
-
-SAN_ARGS="tests/sanitize_backward.py --family wgmma --head-dims 64,128 --dtypes fp16 --n 133"
+step precompile 60 "$PY" -m omnicupy precompile --ops forward,backward --stages 2 --arch sm_90 --jobs 16 --quiet
+step pytest_wgmma 150 "$PY" -m pytest -q -p no:cacheprovider --maxfail=40 -rfE tests/test_backward_wgmma_gpu.py
 for tool in memcheck racecheck; do
-  echo "[$(elapsed)s] compute-sanitizer $tool"
-  timeout 35 compute-sanitizer --tool "$tool" --error-exitcode 99 $PY $SAN_ARGS >"$OUT/sanitize_$tool.log" 2>&1
-  RC[$tool]=$?
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|WRONG|Error" "$OUT/sanitize_$tool.log" | tail -4
+  if [ -n "$SAN" ]; then
+    step "sanitize_$tool" 35 "$SAN" --tool "$tool" --error-exitcode 99 "$PY" tests/sanitize_backward.py \
+      --family wgmma --head-dims 64,128 --dtypes fp16 --n 133
+  else
+    SUMMARY+=("sanitize_$tool skipped: no compute-sanitizer")
+  fi
 done
-
 for family in sync wgmma; do
-  echo "[$(elapsed)s] benchmark, OMNICUPY_BWD=$family"
-  OMNICUPY_BWD=$family timeout 60 $PY -m benchmarks.run --pass bwd --budget 35 --masks full,causal,document \
-    --head-dims 64,128 --dtypes fp16 --seq-lens 8192 --systems omnicupy --warmup 5 --rep 20 \
-    --no-chart --out "$OUT/bench_$family" >"$OUT/bench_$family.log" 2>&1
-  RC[bench_$family]=$?
+  step "bench_$family" 60 env OMNICUPY_BWD=$family "$PY" -m benchmarks.run --pass bwd --budget 35 \
+    --masks full,causal,document --head-dims 64,128 --dtypes fp16 --seq-lens 8192 --systems omnicupy --warmup 5 \
+    --rep 20 --no-chart --out "$OUT/bench_$family"
 done
-
 # wgmma tiles at D = 128 (one consumer warpgroup 64x64 vs two, 64x128) and deterministic=True,
 # gradients of one head checked against float64 first
-echo "[$(elapsed)s] wgmma tiles and deterministic (tune_backward.py)"
-timeout 50 $PY benchmarks/tune_backward.py --family wgmma --head-dims 64,128 --masks full,causal \
-  --tiles 64:64:4,64:128:8 --det --precompile 16 >"$OUT/tune_wgmma.log" 2>&1
-RC[tune]=$?
+step tune_wgmma 50 "$PY" benchmarks/tune_backward.py --family wgmma --head-dims 64,128 --masks full,causal \
+  --tiles 64:64:4,64:128:8 --det --precompile 16
 
-echo "[$(elapsed)s] summary"
 $PY - "$OUT" <<'EOF'
 import json, re, sys
 from pathlib import Path
@@ -98,5 +77,4 @@ for tool in ("memcheck", "racecheck"):
     wrong = text.count("WRONG")
     print(f"{tool}: {summary[-1] if summary else 'no summary'}; {wrong} wrong gradients")
 EOF
-echo "exit codes: $(for k in "${!RC[@]}"; do printf '%s=%s ' "$k" "${RC[$k]}"; done)"
-echo "total $(elapsed)s"
+print_summary

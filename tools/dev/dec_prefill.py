@@ -54,16 +54,11 @@ def log(text: str) -> None:
     print(text, flush=True)
 
 
-def randn(cp, shape, seed, chunk=1 << 24):
-    """fp16 unit normals generated on the device in chunks of ``chunk`` elements (no float32 copy
-    of a multi-GB array)."""
-    rng = cp.random.default_rng(seed)
-    out = cp.empty(shape, dtype=np.float16)
-    flat = out.reshape(-1)
-    for start in range(0, flat.size, chunk):
-        n = min(chunk, flat.size - start)
-        flat[start:start + n] = rng.standard_normal(n, dtype=cp.float32).astype(np.float16)
-    return out
+def randn(cp, shape, seed):
+    """fp16 unit normals drawn on the device in chunks (the decode benchmark's draw)."""
+    from benchmarks import _systems  # run from the repository root with PYTHONPATH=. (dec.sh)
+
+    return _systems.device_normal(cp, shape, np.float16, cp.random.default_rng(seed))
 
 
 def rows_reference(q_rows, k, v, first_row, causal_shift=0):

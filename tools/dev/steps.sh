@@ -1,5 +1,5 @@
-# tools/dev/steps.sh - sourced by the decode GPU scripts here (dec.sh, decode_check.sh): the common
-# set-up and the step runner. Before sourcing, set OUT_DEFAULT (the log folder unless $OUT is set),
+# tools/dev/steps.sh - sourced by the GPU check scripts here (bw.sh, dec.sh, decode_check.sh, hd.sh):
+# the common set-up and the step runner. Before sourcing, set OUT_DEFAULT (the log folder unless $OUT is set),
 # LOG (the combined log's file name in it) and STEP_PATTERN (a grep -E of the lines a step's summary
 # row quotes); STEP_TAIL (lines echoed after a step, default 15) and STEP_LINES (summary lines kept,
 # default 2) are optional. Gives PY, SAN (compute-sanitizer, or empty), OUT, SUMMARY, T0,
