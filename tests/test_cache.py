@@ -483,6 +483,38 @@ def test_clear_removes_only_what_omnicupy_wrote(tmp_path):
     assert [p.name for p in cache.other_formats()] == ["v3", "v7", "v8"]
 
 
+@pytest.mark.parametrize("step", ["ensure_ready", "load"])
+def test_a_tag_renamed_in_between_look_and_listing_is_accepted(tmp_path, monkeypatch, step):
+    """The interleaving CI once hit with four threads: this process finds no tag, another process
+    renames its tag into place, then this process lists the folder and sees the tag there."""
+    root = tmp_path / "cache"
+    DiskCache(root).store(STEM, DATA, {})  # the other process: folder, tag, one entry
+    (root / f"v{cache_module.CACHE_FORMAT}" / STEM).with_suffix(".cubin").unlink()  # leave only tag + meta + locks
+    cache = DiskCache(root)
+    looks = []
+    real = DiskCache._has_tag
+
+    def first_look_misses(self, folder):
+        looks.append(folder)
+        return False if len(looks) == 1 else real(self, folder)
+
+    monkeypatch.setattr(DiskCache, "_has_tag", first_look_misses)
+    if step == "ensure_ready":
+        cache.ensure_ready()
+    else:
+        assert cache.load(STEM) is None  # the entry is incomplete; what matters is no CacheError
+    assert len(looks) == 2
+
+
+def test_a_foreign_tag_is_still_refused(tmp_path):
+    folder = tmp_path / "cache" / f"v{cache_module.CACHE_FORMAT}"
+    folder.mkdir(parents=True, mode=0o700)
+    os.chmod(tmp_path / "cache", 0o700)
+    (folder / "CACHEDIR.TAG").write_bytes(b"Signature: 8a477f597d28d172789f06886806bc55\n# some backup tool\n")
+    with pytest.raises(CacheError, match="not made by omnicupy"):
+        DiskCache(tmp_path / "cache").ensure_ready()
+
+
 def test_clear_refuses_a_format_folder_it_did_not_make(tmp_path):
     root = tmp_path / "somebodys"
     folder = root / f"v{cache_module.CACHE_FORMAT}"
