@@ -209,6 +209,36 @@ def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch):
     assert got.partial_block_masks.shape == expected.partial_block_masks.shape
 
 
+@pytest.mark.parametrize("n_words", [1, 4, 16])
+def test_block_hash_is_its_definition(n_words):
+    """sum(word * multiplier) mod 2**64 over a block's words, in Python integers: the kernels hash the
+    same way, and the pool's order follows the hashes on every path."""
+    rng = np.random.default_rng(n_words)
+    packed = rng.integers(0, 2**32, size=(5, 8, n_words), dtype=np.uint64).astype(np.uint32)
+    packed[0] = 0xFFFFFFFF  # the largest products: the sum wraps many times
+    multipliers = [int(m) for m in blocks.hash_multipliers(8 * n_words)]
+    want = [sum(int(w) * m for w, m in zip(block.reshape(-1), multipliers)) % 2**64 for block in packed]
+    got = blocks.block_hashes(packed)
+    assert got.dtype == np.uint64 and [int(h) for h in got] == want
+
+
+@pytest.mark.parametrize("kbs", [32, 64, 128, 256])
+def test_packed_bits_are_the_runs(kbs):
+    """A row code ``lo * (kbs + 1) + hi`` packs to columns lo .. hi - 1 set (the table up to 128, the
+    prefix rows past it); code 0 is the empty row."""
+    from omnicupy.mask import patterns
+
+    rng = np.random.default_rng(kbs)
+    lo, hi = np.sort(rng.integers(0, kbs + 1, size=(2, 3, 16)), axis=0)
+    lo[0, 0], hi[0, 0] = 0, kbs  # a full row
+    codes = np.where(hi > lo, lo * (kbs + 1) + hi, 0).astype(np.int32)
+    columns = np.arange(kbs)
+    want = np.packbits((columns >= lo[..., None]) & (columns < hi[..., None]), axis=-1, bitorder="little")
+    got = patterns.packed_bits(codes, kbs)
+    assert got.shape == (3, 16, kbs // 32) and got.dtype == np.uint32
+    np.testing.assert_array_equal(got.view(np.uint8).reshape(want.shape), want)
+
+
 class _NoHostArray:
     """Stands in for a CuPy array: NumPy refuses to convert it, as it refuses CuPy arrays."""
 

@@ -67,6 +67,30 @@ def test_pieces_are_the_row_bounds(factory, q_len):
     np.testing.assert_array_equal(end, want_end)
 
 
+@pytest.mark.parametrize("q_len, qbs", [(1, 16), (1000, 64), (1025, 128), (4097, 16)], ids=str)
+@pytest.mark.parametrize("factory", WITH_PIECES + EXTRA)
+def test_block_rows_are_the_rows_of_those_blocks(factory, q_len, qbs):
+    """Rows of chosen q blocks (repeats, any order) from the sub-pieces equal the pieces' own rows;
+    rows past q_len are left to the cut-block rules, so only real rows are compared."""
+    mod = factory(q_len, q_len)
+    start, end = mod.pieces.rows(q_len)
+    nqb = -(-q_len // qbs)
+    blocks = np.random.default_rng(q_len).integers(0, nqb, size=2 * nqb + 3)
+    got_start, got_end = pieces.block_pieces(mod.pieces, q_len, qbs).block_rows(blocks)
+    rows = blocks[:, None] * qbs + np.arange(qbs)
+    real = rows < q_len
+    for got, want in ((got_start, start), (got_end, end)):
+        assert got.shape == (len(blocks), qbs) and got.dtype in (np.int32, np.int64)
+        np.testing.assert_array_equal(got[real], want[rows[real]])
+
+
+def test_block_rows_keep_int64_for_bounds_past_int32():
+    far = pieces.Pieces.of([0, 10], [0, 2**31], [0, 0], [2**31 + 5, 2**31 + 9], [0, 1])
+    start, end = pieces.block_pieces(far, 20, 16).block_rows(np.array([0, 1]))
+    assert start.dtype == np.int64
+    np.testing.assert_array_equal(end[0, 9:12], [2**31 + 5, 2**31 + 9, 2**31 + 10])
+
+
 @pytest.mark.parametrize("qbs, kbs", BLOCKS, ids=str)
 @pytest.mark.parametrize("q_len, kv_len", SIZES, ids=str)
 @pytest.mark.parametrize("factory", WITH_PIECES + EXTRA)

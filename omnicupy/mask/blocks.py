@@ -51,10 +51,14 @@ def _multiplier_table(n_words: int) -> LookupTable:
 def block_hashes(packed: Any, xp: Any = np):
     """A 64-bit hash of each packed block ``[K, qbs, W]`` (NumPy or CuPy): sum of word * multiplier,
     mod 2**64."""
-    words = packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2]).astype(np.uint64)
-    # In place: a second [K, qbs * W] uint64 temporary costs more than the arithmetic (on the host,
-    # fresh pages; NOTES.md §19 measured 1.1 -> 0.12 ms for 324 blocks of 128 x 128).
-    words *= _multiplier_table(words.shape[1]).on(words)
+    words = packed.reshape(packed.shape[0], packed.shape[1] * packed.shape[2])
+    multipliers = _multiplier_table(words.shape[1]).on(words)
+    if isinstance(words, np.ndarray):
+        # NumPy's einsum casts through small buffers: no [K, qbs * W] uint64 temporary, whose fresh
+        # pages can cost more than the arithmetic (NOTES.md §19: 1.3 MiB and up to 1.1 ms at 324 blocks).
+        return np.einsum("kw,w->k", words, multipliers)
+    words = words.astype(np.uint64)
+    words *= multipliers
     return words.sum(axis=1)
 
 

@@ -13,6 +13,7 @@ collected across chunks (``PatternPool``). This module knows row intervals and p
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -75,8 +76,27 @@ def cut_blocks(start: np.ndarray, end: np.ndarray, q0: np.ndarray, kv0: np.ndarr
     return types, codes
 
 
+#: Up to this kv block size a cut block's rows are packed by one lookup of their codes in a table of
+#: every run (``run_rows``: 266 KiB at 128); larger blocks XOR two prefix rows per row.
+RUN_TABLE_MAX_KV_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=4)
+def run_rows(kv_block_size: int) -> np.ndarray:
+    """``[(kbs + 1) ** 2, kbs / 32]`` uint32: row ``lo * (kbs + 1) + hi`` is the packed run ``[lo, hi)``
+    (0 where ``hi <= lo``, so code 0 is the empty row), read-only."""
+    prefix = prefix_rows(kv_block_size // PARTIAL_WORD_BITS)
+    lo, hi = np.divmod(np.arange((kv_block_size + 1) ** 2), kv_block_size + 1)
+    table = np.take(prefix, hi, axis=0) ^ np.take(prefix, lo, axis=0)
+    table[hi <= lo] = 0
+    table.flags.writeable = False
+    return table
+
+
 def packed_bits(codes: np.ndarray, kv_block_size: int) -> np.ndarray:
     """Packed element masks ``[P, qbs, kbs / 32]`` uint32 of blocks given by their row codes."""
+    if kv_block_size <= RUN_TABLE_MAX_KV_BLOCK:  # one gather, no [P, qbs, W] temporaries
+        return np.take(run_rows(kv_block_size), codes, axis=0)
     prefix = prefix_rows(kv_block_size // PARTIAL_WORD_BITS)
     lo, hi = np.divmod(codes, kv_block_size + 1)
     # np.take gathers rows far faster than fancy indexing does.
@@ -133,4 +153,4 @@ class PatternPool:
         return bits[order], rank[ids]
 
 
-__all__ = ["cut_blocks", "packed_bits", "PatternPool"]
+__all__ = ["cut_blocks", "packed_bits", "run_rows", "PatternPool", "RUN_TABLE_MAX_KV_BLOCK"]

@@ -90,18 +90,37 @@ class BlockPieces:
         return lo_start, hi_start, lo_end, hi_end, np.logical_and.reduceat(diagonal, at)
 
     def block_rows(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``start``, ``end`` (``[K, qbs]`` int64) of the rows of q blocks ``blocks``; rows past
-        q_len are 0 (the cut-block rules empty them)."""
-        pair_block, piece = self._pairs(blocks)
-        length = self.rows[piece]
-        offset = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
-        at = np.repeat(pair_block * self.qbs + self.row[piece], length) + offset
+        """``start``, ``end`` (``[K, qbs]``) of the rows of q blocks ``blocks``, int32 where every bound
+        fits (else int64); rows past q_len continue the last sub-piece (the cut-block rules empty them).
+
+        Each row's sub-piece comes from a running count of the sub-pieces begun at or before it,
+        and its bound is that sub-piece's line ``intercept + slope * row``: a few [K, qbs] arrays in
+        all. (Rows written piece by piece took ~8 int64 temporaries of the rows' size; on the
+        lent machines a fresh temporary can cost more in page faults than its arithmetic.)"""
+        first = self.first[blocks]
+        count = self.first[blocks + 1] - first
+        dtype = self._row_dtype()
+        row = np.arange(self.qbs, dtype=dtype)
+        if np.all(count == 1):  # one sub-piece per block: one line each
+            piece = first[:, None]
+        else:
+            begins = np.zeros((len(blocks), self.qbs), dtype=np.int32)
+            pair_block, pieces = self._pairs(blocks)
+            begins[pair_block, self.row[pieces]] = 1
+            piece = np.cumsum(begins, axis=1, dtype=np.int32, out=begins)
+            piece += (first - 1).astype(np.int32)[:, None]
         out = []
         for value, slope in ((self.start, self.start_slope), (self.end, self.end_slope)):
-            rows = np.zeros((len(blocks), self.qbs), dtype=np.int64)
-            rows.reshape(-1)[at] = np.repeat(value[piece], length) + np.repeat(slope[piece], length) * offset
+            intercept = (value - slope * self.row).astype(dtype)
+            rows = np.take(slope.astype(dtype), piece) * row  # [K, qbs] whether piece is [K, 1] or [K, qbs]
+            rows += np.take(intercept, piece)
             out.append(rows)
         return out[0], out[1]
+
+    def _row_dtype(self) -> type:
+        """int32 when every row's bound fits it (lengths are below 2**31; bounds of a mask may reach past them)."""
+        reach = [np.abs(a).max(initial=0) for a in (self.start, self.end)]
+        return np.int32 if max(reach) + 2 * self.qbs < 2**31 else np.int64
 
     def _pairs(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(index into ``blocks``, sub-piece) of every sub-piece of every q block in ``blocks``, in order."""
