@@ -15,7 +15,7 @@ Rows per mask and N:
 ``ms`` is the median wall time from the call to the device being idle again (synchronized before
 and after); ``call ms`` the median time until the call returned (without the final
 synchronization): a build that never waits for the device returns before its kernels finish, so
-``call ms`` is its host time. With ``--steps``, one more build per omnicupy row runs with timers
+``call ms`` is its host time; ``faults`` the median minor page faults of one build. With ``--steps``, one more build per omnicupy row runs with timers
 around the builder's steps (inclusive host milliseconds of each; device calls are their launch or
 transfer time, and ``download`` includes waiting for the device). The peak is CuPy's memory pool
 (bytes handed out at once during a build, outputs included) on the GPU, tracemalloc's on the host;
@@ -36,6 +36,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+try:
+    import resource  # POSIX: page-fault counts
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from benchmarks import _cases  # noqa: E402
@@ -101,21 +106,31 @@ class _PoolPeak:
         self.hook, self.live, self.peak = Hook(), 0, 0
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far (0 where the platform does not count them)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
 def measure(build: Callable[[], Any], *, sync: Callable[[], None], repeat: int,
-            warmup: int) -> tuple[list[float], list[float]]:
-    """Wall times in ms of ``build()``: until the device is idle, and until the call returned."""
+            warmup: int) -> tuple[list[float], list[float], list[int]]:
+    """Wall times in ms of ``build()``: until the device is idle, and until the call returned; and the
+    minor page faults of each build. Fresh pages of large temporaries can cost more than the
+    arithmetic done in them, and whether a build meets fresh pages depends on the allocator's state
+    (NOTES.md §19): the faults say which regime a row was timed in."""
     for _ in range(warmup):
         build()
-    total, returned = [], []
+    total, returned, faults = [], [], []
     for _ in range(repeat):
         sync()
+        f0 = minor_faults()
         t0 = time.perf_counter()
         build()
         t1 = time.perf_counter()
         sync()
         total.append((time.perf_counter() - t0) * 1e3)
         returned.append((t1 - t0) * 1e3)
-    return total, returned
+        faults.append(minor_faults() - f0)
+    return total, returned, faults
 
 
 def peak_memory(build: Callable[[], Any], cp) -> int:
@@ -238,11 +253,12 @@ def bench_omnicupy(name, n, args, xp, cp, sync, dense) -> list[dict]:
             built[path] = build()
             return built[path]
 
-        total, returned = measure(run, sync=sync, repeat=repeat, warmup=args.warmup)
+        total, returned, faults = measure(run, sync=sync, repeat=repeat, warmup=args.warmup)
         bm = built[path]
         pool = 0 if bm.partial_block_masks is None else int(bm.partial_block_masks.shape[0])
         row = dict(mask=name, n=n, impl=f"omnicupy {path} [{xp.__name__}]", ms=statistics.median(total),
-                   ms_min=min(total), call_ms=statistics.median(returned), peak_mb=peak_memory(run, cp) / 2**20,
+                   ms_min=min(total), call_ms=statistics.median(returned), faults=statistics.median(faults),
+                   peak_mb=peak_memory(run, cp) / 2**20,
                    sparsity=bm.sparsity(), pool=pool, note="", steps={})
         if args.steps:
             sync()
@@ -268,7 +284,7 @@ def bench_torch(name, n, args, dense) -> Optional[dict]:
 
     fn = torch_mask_mod(name, None if name in DENSE_MASKS else workload(name, n), n, dense)
     row = dict(mask=name, n=n, impl="torch create_block_mask" + (" (_compile)" if args.torch_compile else ""),
-               ms=float("nan"), ms_min=float("nan"), call_ms=float("nan"), peak_mb=float("nan"),
+               ms=float("nan"), ms_min=float("nan"), call_ms=float("nan"), faults=float("nan"), peak_mb=float("nan"),
                sparsity=float("nan"), pool=0, note="", steps={})
     built = {}
 
@@ -277,13 +293,14 @@ def bench_torch(name, n, args, dense) -> Optional[dict]:
                                         **({"_compile": True} if args.torch_compile else {}))
 
     try:
-        total, returned = measure(build, sync=torch.cuda.synchronize, repeat=args.repeat, warmup=args.warmup)
+        total, returned, faults = measure(build, sync=torch.cuda.synchronize, repeat=args.repeat, warmup=args.warmup)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         build()
         torch.cuda.synchronize()
         row.update(ms=statistics.median(total), ms_min=min(total), call_ms=statistics.median(returned),
+                   faults=statistics.median(faults),
                    peak_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, sparsity=built["bm"].sparsity())
     except torch.OutOfMemoryError:
         row["note"] = "out of memory"
@@ -305,13 +322,13 @@ def torch_available(wanted: bool) -> bool:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'mask':<20} {'N':>7}  {'implementation':<40} {'ms':>8} {'min ms':>8} {'call ms':>8} {'peak MB':>8} "
+    head = (f"{'mask':<20} {'N':>7}  {'implementation':<40} {'ms':>8} {'min ms':>8} {'call ms':>8} {'faults':>7} {'peak MB':>8} "
             f"{'sparsity %':>10} {'pool':>5}  note")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['mask']:<20} {r['n']:>7}  {r['impl']:<40} {r['ms']:>8.2f} {r['ms_min']:>8.2f} {r['call_ms']:>8.2f} "
-              f"{r['peak_mb']:>8.1f} {r['sparsity']:>10.2f} {r['pool']:>5}  {r['note']}")
+              f"{r['faults']:>7.0f} {r['peak_mb']:>8.1f} {r['sparsity']:>10.2f} {r['pool']:>5}  {r['note']}")
 
 
 def print_steps(rows: list[dict]) -> None:
