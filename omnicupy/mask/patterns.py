@@ -33,6 +33,17 @@ def _codes(lo: np.ndarray, hi: np.ndarray, kv_block_size: int) -> np.ndarray:
     return lo
 
 
+def _within(bound: np.ndarray, kv0: np.ndarray, kbs: int) -> np.ndarray:
+    """``clip(bound - kv0, 0, kbs)`` per row of ``bound`` ``[K, qbs]``, as int32."""
+    if bound.dtype != np.int32:
+        bound = bound.astype(np.int64, copy=False)
+    first = kv0.astype(bound.dtype)[:, None]
+    out = np.maximum(bound, first)
+    out -= first
+    np.minimum(out, kbs, out=out)
+    return out.astype(np.int32, copy=False)
+
+
 def cut_blocks(start: np.ndarray, end: np.ndarray, q0: np.ndarray, kv0: np.ndarray, q_len: int, kv_len: int,
                kv_block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Types (``[K]`` int8: MASKED, FULL, CAUSAL or PARTIAL, the rules of ``blocks.block_types``) and
@@ -40,14 +51,10 @@ def cut_blocks(start: np.ndarray, end: np.ndarray, q0: np.ndarray, kv0: np.ndarr
     the bounds ``start``/``end`` (``[K, qbs]``, any integer type)."""
     kbs = kv_block_size
     k, qbs = start.shape
-    # Runs within the block, in int32 once clipped (the bounds may be any int64). Clipped in place:
-    # a new array per step costs more than the arithmetic at these sizes.
-    lo = np.subtract(start, kv0[:, None], dtype=np.int64)
-    np.clip(lo, 0, kbs, out=lo)
-    lo = lo.astype(np.int32)
-    hi = np.subtract(end, kv0[:, None], dtype=np.int64)
-    np.clip(hi, 0, kbs, out=hi)
-    hi = hi.astype(np.int32)
+    # Runs within the block: max(bound, kv0) - kv0 cannot overflow (it lies in [0, bound - kv0] when
+    # bound > kv0), so int32 bounds (BlockPieces.block_rows) stay int32 throughout; other integer
+    # types are taken as int64. In place: a new array per step costs more than the arithmetic here.
+    lo, hi = (_within(a, kv0, kbs) for a in (start, end))
     rows = np.arange(qbs)
     # Blocks that reach past an end: their runs are cut to the real columns, their rows past q_len emptied.
     tail = np.flatnonzero((kv0 + kbs > kv_len) | (q0 + qbs > q_len))
@@ -118,7 +125,7 @@ class PatternPool:
         if not len(codes):
             return np.zeros(0, dtype=np.int64)
         codes = np.ascontiguousarray(codes, dtype=np.int32)
-        hashes = (codes.view(np.uint64) * self._multipliers).sum(axis=1)
+        hashes = np.einsum("kw,w->k", codes.view(np.uint64), self._multipliers)  # mod 2**64, no temporary
         _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
         if len(first) < len(codes) and not np.array_equal(codes, codes[first[inverse]]):

@@ -185,8 +185,10 @@ def group_cut_blocks(bp: BlockPieces, q_block: np.ndarray, kv0: np.ndarray, kv_l
     # diagonal offset is part of its key where the diagonal crosses it (-qbs < q0 - kv0 < c).
     diagonal = np.clip((q_block * bp.qbs - kv0)[pair_block], -bp.qbs, cols)
     keys += [cols, diagonal]
-    fields = np.stack(keys, axis=1)  # [pairs, 8] int64
-    pair_hash = _mixed((fields.astype(np.uint64) * _FIELD_MULTIPLIERS).sum(axis=1))
+    fields = np.stack(keys, axis=1).astype(np.int64, copy=False)  # [pairs, 8]
+    # The fields' two's-complement words times the multipliers, summed mod 2**64 (einsum: no
+    # [pairs, 8] temporary, and 4x faster than a product and a sum over the short axis).
+    pair_hash = _mixed(np.einsum("pf,f->p", fields.view(np.uint64), _FIELD_MULTIPLIERS))
     starts = np.flatnonzero(np.r_[True, pair_block[1:] != pair_block[:-1]])
     block_hash = np.add.reduceat(pair_hash, starts)
     _, reps, group = np.unique(block_hash, return_index=True, return_inverse=True)
