@@ -209,6 +209,27 @@ def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch):
     assert got.partial_block_masks.shape == expected.partial_block_masks.shape
 
 
+@pytest.mark.parametrize("qbs, kbs", [(64, 64), (128, 128), (64, 128), (128, 64), (16, 32), (256, 128)], ids=str)
+@pytest.mark.parametrize("q_len, kv_len", [(1, 1), (77, 300), (300, 77), (1025, 1025), (129, 1), (4096, 2048)], ids=str)
+@pytest.mark.parametrize("B, H", [(None, None), (2, 3)], ids=str)
+@pytest.mark.parametrize("xp", [np, HOST_AS_DEVICE], ids=["host", "device"])
+def test_causal_rows_are_the_structured_layout(q_len, kv_len, qbs, kbs, B, H, xp, monkeypatch):
+    """A causal MaskMod's rows written arithmetically equal, array for array, what the structured
+    path lays out (with its summary and features), on the host and on the device path."""
+    mod = masks.causal()
+    assert builders._is_causal(mod) and not builders._is_causal(masks.causal(1))
+    assert not builders._is_causal(masks.sliding_window(10 ** 9))  # the same rows only in effect
+    got = builders.from_mask_mod(mod, B, H, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs, xp=xp)
+    monkeypatch.setattr(builders, "CAUSAL_ROWS_MAX_SLOTS", 0)
+    want = builders.from_mask_mod(mod, B, H, q_len, kv_len, q_block_size=qbs, kv_block_size=kbs, xp=xp)
+    assert_same_metadata(got, want)
+    assert got.summary.counts == want.summary.counts and got.mask_mod is mod
+    np.testing.assert_array_equal(got.q_block_work, want.q_block_work)
+    assert got.to_string() == want.to_string()
+    for field in ("row", "kv", "length", "kind"):
+        np.testing.assert_array_equal(getattr(got._runs, field), getattr(want._runs, field), err_msg=field)
+
+
 @pytest.mark.parametrize("n_words", [1, 4, 16])
 def test_block_hash_is_its_definition(n_words):
     """sum(word * multiplier) mod 2**64 over a block's words, in Python integers: the kernels hash the

@@ -1,8 +1,10 @@
 """Builders of BlockMask metadata (docs/design.md): from a mask_mod, a dense mask, flex-attention's arrays,
 and the causal / full rules.
 
-All of them describe the rows as items (layout.py): runs of blocks of one type, in which some
-blocks are still to be classified (EVALUATE). Where those come from:
+All of them but the causal rows describe the rows as items (layout.py): runs of blocks of one
+type, in which some blocks are still to be classified (EVALUATE). (A MaskMod whose exact bounds are
+the causal ones, on a grid of at most ``CAUSAL_ROWS_MAX_SLOTS``, has its layout written
+arithmetically, the same arrays in a fraction of the time.) Where the items come from:
 
 - a MaskMod with exact row bounds (the built-in masks but dilated windows and or/not
   combinations): the bounds give each row's window of kv blocks, which of them are FULL or CAUSAL,
@@ -62,6 +64,13 @@ DEVICE_CHUNK_ELEMENTS = 1 << 26
 #: classified one by one (the grouping's fixed cost, some 30 NumPy calls, is more than their rows').
 GROUP_CUT_BLOCKS_FROM = 256
 
+#: Causal rows (a MaskMod whose exact bounds are ``[0, q_idx + 1)``) are written arithmetically, as
+#: ``BlockMask.causal`` computes them, with the layout of the structured path, up to this many
+#: slots of the [nQB, nKVB] grid (N = 16384 at blocks of 128). Past it the arrays themselves cost
+#: more than the structured path's work: fresh pages on the host, the upload on a device, where
+#: the layout kernel writes them instead (NOTES.md §19).
+CAUSAL_ROWS_MAX_SLOTS = 1 << 14
+
 #: mask_mods that took CuPy arrays once: ``_evaluation_module`` probes each only once (its probe
 #: is a handful of kernel launches, as many as a small build's whole evaluation).
 _TAKES_DEVICE_ARRAYS: "weakref.WeakSet[Callable]" = weakref.WeakSet()
@@ -96,6 +105,14 @@ def _evaluation_module(mask_mod: Callable, xp: Any):
     with contextlib.suppress(TypeError):
         _TAKES_DEVICE_ARRAYS.add(mask_mod)
     return xp
+
+
+def _is_causal(mask_mod: MaskMod) -> bool:
+    """Whether a MaskMod's exact bounds are the causal ones, ``[0, q_idx + 1)`` on every row (its
+    pieces say so: one piece, start 0, end q + 1). Exact bounds are the mask, whatever its function."""
+    p = mask_mod.pieces
+    return (p is not None and len(p.q) == 1 and int(p.start[0]) == 0 and int(p.start_slope[0]) == 0
+            and int(p.end[0]) == 1 and int(p.end_slope[0]) == 1)
 
 
 def _is_known_elementwise(mask_mod: Callable) -> bool:
@@ -144,11 +161,8 @@ def _causal_rule(q_len: int, kv_len: int, qbs: int, kbs: int) -> BlockMask:
     broadcast row; ``block_mask_types`` one row read at a shifting offset (a strided view) when the
     FULL run grows by the same number of blocks from row to row (kv_block_size divides
     q_block_size and the ends allow it), else written out."""
-    nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
-    q_lo = np.arange(nqb, dtype=np.int64) * qbs
-    q_hi = np.minimum(q_lo + qbs, q_len) - 1
-    count = np.minimum(q_hi // kbs + 1, nkvb)
-    full_count = np.where(kv_len - 1 <= q_lo, nkvb, np.minimum((q_lo + 1) // kbs, nkvb))
+    nqb = cdiv(q_len, qbs)
+    count, full_count = _causal_counts(q_len, kv_len, qbs, kbs)
     maxb = int(count.max())
     step = qbs // kbs if qbs % kbs == 0 else None
     has_causal = count > full_count
@@ -165,19 +179,40 @@ def _causal_rule(q_len: int, kv_len: int, qbs: int, kbs: int) -> BlockMask:
         types = np.where(np.arange(maxb) < full_count[:, None], int(BlockType.FULL), int(BlockType.CAUSAL))
         types = types.astype(np.int32)
         types.flags.writeable = False
-    causal_blocks = count - full_count
-    summary = MaskSummary(counts=(nqb * nkvb - int(count.sum()), int(causal_blocks.sum()), int(full_count.sum()), 0),
-                          q_block_work=(2 * full_count + causal_blocks).astype(np.int64))
     counts = count.astype(np.int32)
     counts.flags.writeable = False
-    q = np.arange(nqb)
-    runs = RowRuns((1, 1, nqb), np.repeat(q, 2), np.stack([np.zeros(nqb, np.int64), full_count], 1).reshape(-1),
-                   np.stack([full_count, causal_blocks], 1).reshape(-1),
-                   np.tile([int(BlockType.FULL), int(BlockType.CAUSAL)], nqb))
+    summary, runs = _causal_summary(count, full_count, cdiv(kv_len, kbs))
     return BlockMask(counts[None, None], np.broadcast_to(np.arange(maxb, dtype=np.int32), (1, 1, nqb, maxb)),
                      types[None, None], q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
                      _features=MaskFeatures(causal=bool(has_causal.any()), partial=False), _summary=summary,
                      _runs=runs)
+
+
+def _causal_counts(q_len: int, kv_len: int, qbs: int, kbs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per q block (int64 ``[nQB]``): how many kv blocks ``q_idx >= kv_idx`` reaches (0 .. count - 1),
+    and how many of those, from 0 on, it covers whole (FULL; the rest are CAUSAL)."""
+    nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+    q_lo = np.arange(nqb, dtype=np.int64) * qbs
+    q_hi = np.minimum(q_lo + qbs, q_len) - 1
+    count = np.minimum(q_hi // kbs + 1, nkvb)
+    full_count = np.where(kv_len - 1 <= q_lo, nkvb, np.minimum((q_lo + 1) // kbs, nkvb))
+    return count, full_count
+
+
+def _causal_summary(count: np.ndarray, full_count: np.ndarray, nkvb: int) -> tuple[MaskSummary, RowRuns]:
+    """The summary and row runs of causal rows (one (b, h) row set)."""
+    nqb = len(count)
+    causal_blocks = count - full_count
+    summary = MaskSummary(counts=(nqb * nkvb - int(count.sum()), int(causal_blocks.sum()), int(full_count.sum()), 0),
+                          q_block_work=(2 * full_count + causal_blocks).astype(np.int64))
+    # Per row a FULL run from kv block 0, then a CAUSAL one; empty runs are left out, as the
+    # structured path leaves them out.
+    row = np.repeat(np.arange(nqb), 2)
+    kv = np.stack([np.zeros(nqb, np.int64), full_count], 1).reshape(-1)
+    length = np.stack([full_count, causal_blocks], 1).reshape(-1)
+    kind = np.tile([int(BlockType.FULL), int(BlockType.CAUSAL)], nqb)
+    keep = length > 0
+    return summary, RowRuns((1, 1, nqb), row[keep], kv[keep], length[keep], kind[keep])
 
 
 # ------------------------------------------------------------------------------ from a mask_mod
@@ -201,6 +236,8 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     windows = None
     if isinstance(mask_mod, MaskMod):
         mask_mod.check_extent(B, q_len, kv_len)
+        if use_structure and _is_causal(mask_mod) and build.nqb * build.nkvb <= CAUSAL_ROWS_MAX_SLOTS:
+            return build.causal_rows()
         if use_structure:
             windows = mask_mod.windows(Bm, Hm, q_len, kv_len, qbs, kbs)
     if windows is None:
@@ -301,6 +338,39 @@ class _Build:
         self.xp, self.backend = xp, backend_for(xp)
 
     # ---------------------------------------------------------------- rows
+    def causal_rows(self) -> BlockMask:
+        """The causal rows, arithmetically: the metadata the structured path lays out for
+        ``q_idx >= kv_idx`` (listed blocks 0 .. count - 1, FULL then CAUSAL, inactive slots 0),
+        without windows, items or segments."""
+        count, full_count = _causal_counts(self.q_len, self.kv_len, self.qbs, self.kbs)
+        maxb = max(int(count.max()), 1)
+        slot = np.arange(maxb, dtype=np.int32)
+        active = slot < count[:, None]
+        idx = slot * active  # int32, 0 past the listed blocks
+        # MASKED 0, CAUSAL 1, FULL 2: listed blocks count 1, the FULL ones (a prefix of them) 1 more.
+        types = active.astype(np.int32)
+        types += slot < full_count[:, None]
+        counts = count.astype(np.int32)
+        summary, runs = _causal_summary(count, full_count, self.nkvb)
+        copies = self.batch_heads[0] * self.batch_heads[1]
+        if copies > 1:
+            summary = MaskSummary(counts=tuple(c * copies for c in summary.counts),
+                                  q_block_work=summary.q_block_work * copies)
+        if self.backend is not None:  # one upload: the three arrays are views of one device buffer
+            rows = self.backend.upload(np.concatenate([counts, idx.reshape(-1), types.reshape(-1)]))
+            n, shape = len(counts), idx.shape
+            counts, idx, types = rows[:n], rows[n:n + idx.size].reshape(shape), rows[n + idx.size:].reshape(shape)
+        else:
+            for a in (counts, idx, types):
+                a.flags.writeable = False
+        xp = self.xp if self.backend is not None else np
+        nb, idx, types = (xp.broadcast_to(a.reshape((1, 1) + a.shape), self.batch_heads + a.shape)
+                          for a in (counts, idx, types))
+        return BlockMask(nb, idx, types, q_len=self.q_len, kv_len=self.kv_len, q_block_size=self.qbs,
+                         kv_block_size=self.kbs, mask_mod=self.mask_mod,
+                         _features=MaskFeatures(causal=bool(np.any(count > full_count)), partial=False),
+                         _summary=summary, _runs=runs)
+
     def every_block(self, grid: tuple[int, int, int], dense: Any = None) -> BlockMask:
         """Every block of every row of ``grid`` evaluated (the generic path, and a dense mask)."""
         rows = int(np.prod(grid))
