@@ -216,13 +216,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // ---- dV += Pᵀ dO ----
     {
       u32 a_p[kMT][S::kQSteps][4];
-      pack_a<kMT, kNT, T>(a_p, acc_s);
+      pack_a<T>(a_p, acc_s);
       mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
     }
     // ---- dK += dSᵀ Q; dSᵀ to shared memory for dQ ----
     {
       u32 a_ds[kMT][S::kQSteps][4];
-      pack_a<kMT, kNT, T>(a_ds, acc_dp);
+      pack_a<T>(a_ds, acc_dp);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
         store_ds_rows<kLdS>(sdS, a_ds[mt], warp_row0 + mt * 16 + lane / 4, (lane % 4) * 2);

@@ -284,7 +284,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);  // acc_s: Pᵀ ∘ score_mod'
       }
     u32 ds_t[1][S::kQSteps][4];
-    pack_a<1, kNT, T>(ds_t, acc_dp);
+    pack_a<T>(ds_t, acc_dp);
 
     // ---- dK += dSᵀ Q; dSᵀ to shared memory for dQ ----
     wgmma::fence();

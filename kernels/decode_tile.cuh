@@ -85,7 +85,7 @@ struct Tile {
   static __device__ __forceinline__ void pv(O& acc_o, const S& acc_s, u32 v_addr) {
     constexpr int kRealDTiles = (Cfg::kHeadDimValid + 15) / 16 * 2;  // n8 tiles of O holding real columns
     P p;
-    pack_a<kMTiles, kNTiles, typename Cfg::Mma>(p, acc_s);
+    pack_a<typename Cfg::Mma>(p, acc_s);
     mma_regs_rows<kMTiles, kDTiles, kPVSteps, kLd, typename Cfg::Mma, kRealDTiles>(acc_o, p, v_addr);
   }
 };

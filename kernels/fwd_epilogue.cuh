@@ -1,24 +1,9 @@
-// From probabilities to the output: P packed into 16-bit A fragments for O += P V, and the
-// epilogue O /= l, LSE, 16-byte row stores. m16n8 accumulator layout, kMTiles row tiles per warp.
+// The forward's epilogue: O /= l, LSE, 16-byte row stores. m16n8 accumulator layout, kMTiles row
+// tiles per warp. (P's packing into A fragments for O += P V is mma_tiles.cuh's pack_a.)
 #pragma once
 #include "online_softmax.cuh"
 
 namespace omni {
-
-// P stays in registers: the accumulator layout of two adjacent n8 tiles of S is exactly the A
-// fragment of one k16 step. Packing all of P first lets S's fp32 registers die before P V.
-template <class Mma, int kMTiles, int kNTiles>
-__device__ __forceinline__ void pack_p(u32 (&p)[kMTiles][kNTiles / 2][4], const float (&acc_s)[kMTiles][kNTiles][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int kk = 0; kk < kNTiles / 2; ++kk) {
-      p[mt][kk][0] = Mma::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-      p[mt][kk][1] = Mma::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-      p[mt][kk][2] = Mma::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-      p[mt][kk][3] = Mma::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-    }
-}
 
 // O /= l, LSE, store. Each warp stages its own rows of O in its own rows of `stage` ([rows][kLd],
 // no other warp reads them), then writes whole rows of kValidChunks 16-byte chunks: the head dim

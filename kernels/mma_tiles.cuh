@@ -1,5 +1,6 @@
 // Warp tile products on mma.sync.m16n8k16 (mma.cuh), shared by the backward's kv-tile kernel
-// (bwd_kv_tile.cuh; pack_a also by bwd_wgmma.cuh) and the split-KV decode (decode_tile.cuh):
+// (bwd_kv_tile.cuh; pack_a also by bwd_wgmma.cuh and the forward templates, for P V) and the
+// split-KV decode (decode_tile.cuh):
 //
 //   zero           clear an accumulator tile
 //   mma_rows_rows  acc = A Bᵀ, A (one warp's rows) and B both stored [row][k] in shared memory
@@ -50,8 +51,9 @@ __device__ __forceinline__ void mma_rows_rows(float (&acc)[kMT][kNT][4], u32 a_a
   }
 }
 
-// The accumulator layout of two adjacent n8 tiles is the A fragment of one k16 step.
-template <int kMT, int kNT, typename T>
+// The accumulator layout of two adjacent n8 tiles is the A fragment of one k16 step (the tile
+// counts follow from the arrays: pack_a<T>(a, acc)).
+template <typename T, int kMT, int kNT>
 __device__ __forceinline__ void pack_a(u32 (&a)[kMT][kNT / 2][4], const float (&acc)[kMT][kNT][4]) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
