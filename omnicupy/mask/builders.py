@@ -199,12 +199,14 @@ def _causal_counts(q_len: int, kv_len: int, qbs: int, kbs: int) -> tuple[np.ndar
     return count, full_count
 
 
-def _causal_summary(count: np.ndarray, full_count: np.ndarray, nkvb: int) -> tuple[MaskSummary, RowRuns]:
-    """The summary and row runs of causal rows (one (b, h) row set)."""
+def _causal_summary(count: np.ndarray, full_count: np.ndarray, nkvb: int,
+                    copies: int = 1) -> tuple[MaskSummary, RowRuns]:
+    """The summary and row runs of causal rows: one (b, h) row set, standing for ``copies`` of them."""
     nqb = len(count)
     causal_blocks = count - full_count
-    summary = MaskSummary(counts=(nqb * nkvb - int(count.sum()), int(causal_blocks.sum()), int(full_count.sum()), 0),
-                          q_block_work=(2 * full_count + causal_blocks).astype(np.int64))
+    counts = (nqb * nkvb - int(count.sum()), int(causal_blocks.sum()), int(full_count.sum()), 0)
+    summary = MaskSummary(counts=tuple(c * copies for c in counts),
+                          q_block_work=(2 * full_count + causal_blocks).astype(np.int64) * copies)
     # Per row a FULL run from kv block 0, then a CAUSAL one; empty runs are left out, as the
     # structured path leaves them out.
     row = np.repeat(np.arange(nqb), 2)
@@ -351,11 +353,7 @@ class _Build:
         types = active.astype(np.int32)
         types += slot < full_count[:, None]
         counts = count.astype(np.int32)
-        summary, runs = _causal_summary(count, full_count, self.nkvb)
-        copies = self.batch_heads[0] * self.batch_heads[1]
-        if copies > 1:
-            summary = MaskSummary(counts=tuple(c * copies for c in summary.counts),
-                                  q_block_work=summary.q_block_work * copies)
+        summary, runs = _causal_summary(count, full_count, self.nkvb, copies=self.batch_heads[0] * self.batch_heads[1])
         if self.backend is not None:  # one upload: the three arrays are views of one device buffer
             rows = self.backend.upload(np.concatenate([counts, idx.reshape(-1), types.reshape(-1)]))
             n, shape = len(counts), idx.shape

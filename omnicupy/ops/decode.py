@@ -61,7 +61,6 @@ ERROR_KV_LEN, ERROR_PAGE = 1, 2
 FUSED_COMBINE = True
 
 
-
 class TileTable(Mapping):
     """DECODE_TILES' type: a read-only mapping, hashed once, so that the plan cache and the
     steady-state keys can hold the table itself (settings()). Tuning tools change it by rebinding:

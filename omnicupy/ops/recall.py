@@ -409,9 +409,6 @@ class RecipeStore:
     def values(self):
         return self._recipes.values()
 
-    def items(self):
-        return self._recipes.items()
-
 
 def store_of(bm: BlockMask) -> RecipeStore:
     """The mask's recipe store, made on first use (the mask module knows nothing of recipes)."""
