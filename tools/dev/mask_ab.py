@@ -1,23 +1,26 @@
 """Mask-build host time, this tree against an earlier commit, in one process (CPU; NOTES.md §19).
 
-    python tools/dev/mask_ab.py --base HEAD~3 [--sizes 8192 131072] [--device] [--rounds 15]
+    python tools/dev/mask_ab.py --base HEAD~3 [--sizes 8192 131072] [--xp numpy|stub|cupy] [--rounds 15]
 
 The earlier commit's ``omnicupy`` package is extracted (``git archive``) into a temporary folder and
-imported as ``omnicupy_base``; both builders then build the same workloads (``bench_masks.workload``)
+imported as ``omnicupy_base`` (``--base`` may also name a folder that holds an extracted ``omnicupy``,
+for a machine without the repository's history, such as the lent GPU); both builders then build the same workloads (``bench_masks.workload``)
 in alternating rounds, so that drift of the machine falls on both alike. Printed per mask and N:
 minimum and median ms of single builds, and the median minor page faults per build (fresh pages of
 large temporaries can cost more than the arithmetic: whether a build meets them depends on the
 allocator's state, which is why the minimum is the number to compare).
 
-``--device`` times the CuPy path's host work without a GPU: the builders take their device branch
-with a stub backend whose layout and uploads cost nothing (the stand-in for the layout kernel's
-launch), so what is timed is everything the host does before it.
+``--xp stub`` (or ``--device``) times the CuPy path's host work without a GPU: the builders take
+their device branch with a stub backend whose layout and uploads cost nothing (the stand-in for the
+layout kernel's launch), so what is timed is everything the host does before it. ``--xp cupy`` builds
+on the GPU, each build synchronized (what bench_masks.py times).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,10 +40,14 @@ MASKS = ("causal", "sliding_window_1024", "document", "interleaved")
 
 
 def base_package(rev: str, folder: Path) -> str:
-    """Extract ``omnicupy`` at ``rev`` into ``folder`` as ``omnicupy_base``; its module name."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "omnicupy"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    (folder / "omnicupy").rename(folder / "omnicupy_base")
+    """``omnicupy`` at ``rev`` (a git revision, or a folder holding an ``omnicupy`` package) as
+    ``folder/omnicupy_base``; its module name."""
+    if (Path(rev) / "omnicupy").is_dir():
+        shutil.copytree(Path(rev) / "omnicupy", folder / "omnicupy_base")
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "omnicupy"], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+        (folder / "omnicupy").rename(folder / "omnicupy_base")
     sys.path.insert(0, str(folder))
     return "omnicupy_base"
 
@@ -102,15 +109,23 @@ def main(argv=None) -> None:
     parser.add_argument("--base", required=True, help="the commit to compare with (any git revision)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8192, 131072])
     parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
-    parser.add_argument("--device", action="store_true", help="time the device branch's host work (stub backend)")
+    parser.add_argument("--xp", choices=("numpy", "stub", "cupy"), default="numpy",
+                        help="numpy: the host path; stub: the device branch's host work (no GPU); cupy: on the GPU")
+    parser.add_argument("--device", action="store_true", help="the same as --xp stub")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         packages = {"base": base_package(args.base, Path(folder)), "tree": "omnicupy"}
-        xp = _HostModule() if args.device else np
-        if args.device:
+        kind = "stub" if args.device else args.xp
+        xp = {"numpy": np, "stub": _HostModule()}.get(kind)
+        sync = lambda: None  # noqa: E731 - nothing to wait for on the host
+        if kind == "stub":
             for package in packages.values():
                 stub_device(package, xp)
+        elif kind == "cupy":
+            import cupy as xp
+
+            sync = xp.cuda.Device().synchronize
         print(f"{'mask':<22} {'N':>7} {'base min':>9} {'tree min':>9} {'base med':>9} {'tree med':>9} "
               f"{'min ratio':>9} {'faults base/tree':>17}")
         for n in args.sizes:
@@ -120,7 +135,7 @@ def main(argv=None) -> None:
                     bench_masks.masks = importlib.import_module(f"{package}.masks")
                     mod = bench_masks.workload(name, n)
                     from_mask_mod = importlib.import_module(f"{package}.mask.builders").from_mask_mod
-                    builds[label] = (lambda f=from_mask_mod, m=mod: f(m, None, None, n, n, xp=xp))
+                    builds[label] = (lambda f=from_mask_mod, m=mod: (f(m, None, None, n, n, xp=xp), sync()))
                 result = compare(builds, args.rounds if n < 100_000 else max(args.rounds // 3, 2), 5)
                 (b_min, b_med, b_flt), (t_min, t_med, t_flt) = result["base"], result["tree"]
                 print(f"{name:<22} {n:>7} {b_min:>9.3f} {t_min:>9.3f} {b_med:>9.3f} {t_med:>9.3f} "
