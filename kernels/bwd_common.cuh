@@ -259,11 +259,15 @@ __device__ __forceinline__ void wait_dq_turn(const int* sem, int turn, int tid) 
   __syncthreads();
 }
 
-// Hand the q tile to the next kv tile once every thread's reductions are visible.
+// Hand the q tile to the next kv tile once every thread's reductions are visible. The barrier
+// orders every thread's reductions before thread 0's release, and a gpu-scope release is
+// cumulative (PTX memory model): one fence in one thread, not a fence in each of them.
 __device__ __forceinline__ void pass_dq_turn(int* sem, int turn, int tid) {
-  __threadfence();
   __syncthreads();
-  if (tid == 0) store_release(sem, turn + 1);
+  if (tid == 0) {
+    __threadfence();
+    store_release(sem, turn + 1);
+  }
 }
 
 // ---------------------------------------------------------------- dQ accumulation
