@@ -11,8 +11,8 @@
 // (mask mode). The warps form kKvGroups groups of kRowWarps = kBm / 16 warps: the warps of a group
 // split the rows (16 each) and share K/V tiles; the groups take the tiles round-robin and never
 // wait for each other inside the walk. Each group streams its tiles through its own kStages-deep
-// cp.async ring (16-byte copies, kStages - 1 tiles in flight) and each warp keeps the online
-// softmax state of its rows. At the end the groups merge through shared memory, and the CTA writes
+// cp.async ring (16-byte copies with a 128-byte L2 prefetch hint, kStages - 1 tiles in flight) and
+// each warp keeps the online softmax state of its rows. At the end the groups merge through shared memory, and the CTA writes
 // either the final rows (one split) or its unnormalized fp32 partial rows with their (max, sum)
 // for decode_combine.cuh. With one warp per group (kBm = 16) a group needs no barrier at all.
 //
@@ -202,8 +202,8 @@ __device__ __forceinline__ void issue_async(const Params& p, const Cta& c, TileI
       const i64 k_row = __shfl_sync(0xffffffffu, k_off, row), v_row = __shfl_sync(0xffffffffu, v_off, row);
       const bool live = ((t.valid >> row) & 1u) && real_chunk<Cfg>(chunk % kChunks);
       const u32 dst = (row * kLd + col) * 2;
-      cp_async_16(k_dst + dst, live ? k_base + k_row + col : k_base, live);
-      cp_async_16(v_dst + dst, live ? v_base + v_row + col : v_base, live);
+      cp_async_16_stream(k_dst + dst, live ? k_base + k_row + col : k_base, live);
+      cp_async_16_stream(v_dst + dst, live ? v_base + v_row + col : v_base, live);
     }
   }
   if (row_warp == 0 && lane == 0) *info = t;

@@ -45,9 +45,13 @@ def base_package(rev: str, folder: Path) -> str:
     if (Path(rev) / "omnicupy").is_dir():
         shutil.copytree(Path(rev) / "omnicupy", folder / "omnicupy_base")
     else:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "omnicupy"], check=True, capture_output=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "omnicupy", "kernels", "templates"],
+                                 check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
         (folder / "omnicupy").rename(folder / "omnicupy_base")
+    for sources in ("kernels", "templates"):  # the mask kernels' sources, beside the package (jit/env.py)
+        if not (folder / sources).is_dir():
+            shutil.copytree(Path(rev) / sources if (Path(rev) / sources).is_dir() else REPO / sources, folder / sources)
     sys.path.insert(0, str(folder))
     return "omnicupy_base"
 
