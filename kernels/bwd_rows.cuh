@@ -5,9 +5,13 @@
 //                    there), and the row of the fp32 dQ accumulator zeroed.
 //   convert_dq:      dq = scale * dq_accum in the input dtype.
 //
+// kTiledDq: the accumulator in the wgmma backward's tiles (dq_tiles.cuh), else in rows
+// [bh][q_len][kHeadDim] (the mma.sync backward's).
+//
 // Plain CUDA templated on the head dim, the 16-bit type (Fp16/Bf16, mma.cuh) and the parameter
 // struct P (rendered from dispatch/params.py BACKWARD); grid (row blocks, Hq, B).
 #pragma once
+#include "dq_tiles.cuh"
 #include "mma.cuh"
 
 namespace omni {
@@ -34,7 +38,7 @@ __device__ __forceinline__ float dot8(const Vec16& a, const Vec16& b) {
 
 // kHeadDim: the tile's columns (the dQ accumulator's row stride); kHeadDimValid: the caller's (rows
 // of o, dout and dq), smaller in a padded variant.
-template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, typename P>
+template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
 __device__ __forceinline__ void preprocess_rows(const P& p) {
   constexpr int kChunks = kHeadDimValid / 8;  // 16-byte chunks per row of o and dout, <= 32
   static_assert(kChunks <= 32, "one warp reads a row in one pass");
@@ -57,13 +61,20 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
     p.lse_log2[bh * p.q_len_pad + row] = lse == neg_inf() ? pos_inf() : lse * kLog2e;
     p.delta[bh * p.q_len_pad + row] = real ? dot : 0.f;
   }
-  if (real) {
+  if constexpr (kTiledDq) {  // every row of the q_len_pad (the tail tile's padding rows are added into too)
+    const int tile = row / dq_tiles::kRows, r = row % dq_tiles::kRows;
+    for (int c = lane; c < kHeadDim / 4; c += 32) {  // a row's 256 bytes per column block, in any order
+      const int block = c / (dq_tiles::kCols / 4), chunk = c % (dq_tiles::kCols / 4);
+      float* at = p.dq_accum + dq_tiles::tile_offset<kHeadDim>(bh, p.q_len_pad, tile, block) + r * dq_tiles::kCols;
+      reinterpret_cast<Vec16*>(at)[chunk] = Vec16{0u, 0u, 0u, 0u};
+    }
+  } else if (real) {
     Vec16* acc = reinterpret_cast<Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim);
     for (int c = lane; c < kHeadDim / 4; c += 32) acc[c] = Vec16{0u, 0u, 0u, 0u};
   }
 }
 
-template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, typename P>
+template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
 __device__ __forceinline__ void convert_dq(const P& p) {
   constexpr int kChunks = kHeadDimValid / 8;  // chunks of dq's rows
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -71,8 +82,18 @@ __device__ __forceinline__ void convert_dq(const P& p) {
   const int head = blockIdx.y, batch = blockIdx.z;
   if (row >= p.q_len || lane >= kChunks) return;
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
-  const Vec16* src = reinterpret_cast<const Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim + lane * 8);
-  const Vec16 a = src[0], b = src[1];
+  Vec16 a, b;  // columns lane * 8 .. + 7
+  if constexpr (kTiledDq) {
+    const int r = row % dq_tiles::kRows, col = lane * 8 % dq_tiles::kCols;
+    const float* tile = p.dq_accum + dq_tiles::tile_offset<kHeadDim>(bh, p.q_len_pad, row / dq_tiles::kRows,
+                                                                      lane * 8 / dq_tiles::kCols);
+    a = *reinterpret_cast<const Vec16*>(tile + dq_tiles::within(r, col));
+    b = *reinterpret_cast<const Vec16*>(tile + dq_tiles::within(r, col + 4));
+  } else {
+    const Vec16* src = reinterpret_cast<const Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim + lane * 8);
+    a = src[0];
+    b = src[1];
+  }
   const float s = p.scale;
   Vec16 out;
   out.x = T::pack(__uint_as_float(a.x) * s, __uint_as_float(a.y) * s);

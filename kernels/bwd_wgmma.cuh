@@ -12,15 +12,20 @@
 //   dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod'
 //   dK += dSᵀ Q       wgmma rs: dSᵀ in registers, Q N-major
 //   dQ += dS K        dSᵀ through padded shared memory (ldmatrix.trans gives dS's A fragments),
-//                     wgmma rs with K N-major; fp32 reductions into the workspace, in the fixed
-//                     kv order of the mma.sync kernel when deterministic
+//                     wgmma rs with K N-major; the fp32 result staged in Q's and dO's buffers
+//                     in the accumulator's tile layout (dq_tiles.cuh) and added by thread 0 with
+//                     two bulk reductions (cp.reduce.async.bulk), in the fixed kv order of the
+//                     mma.sync kernel when deterministic
 //
 // Every tile the tensor cores read (K, V, Q, dO) sits in the 128-byte-swizzled layout of
 // kernels/wgmma.cuh, which serves as K-major (Sᵀ, dPᵀ: contraction over the head dim) and as
 // N-major (dV, dK, dQ: contraction over rows) operand alike, exactly as the forward reads K and V.
 // The accumulators come back in the m16n8 layout (rows: kv positions of this warp, columns: q
 // positions), the layout of the mma.sync kernel, so the per-score code is the same: it, the
-// LSE/delta loads, the dQ order and reductions and the epilogue are bwd_common.cuh's, shared with it.
+// LSE/delta loads, the dQ order and the epilogue are bwd_common.cuh's, shared with it. The dQ adds
+// are this kernel's own: one element pair per lane and instruction (red.global, the mma.sync
+// kernel's) kept the LSU and L2 so busy that the kernel ran 1.7x slower than with no dQ adds at all
+// (NOTES.md §20); two 8-16 KB bulk reductions per q tile leave that work to the async proxy.
 //
 // dK and dV stay in registers across the whole walk. With two consumer warpgroups (kBc = 128) each
 // computes dQ for half of the head dim's columns over all kBc kv rows.
@@ -29,7 +34,8 @@
 // kHasPartial, kFuseMask, kTransformScores, kHasScoreGrad, T), the per-score functions F and the
 // parameter struct P, as kernels/bwd_kv_tile.cuh; the including template declares BlockType first.
 #pragma once
-#include "bwd_common.cuh"  // the q-tile walk, per-score code, dQ order and reductions, epilogue
+#include "bwd_common.cuh"  // the q-tile walk, per-score code, dQ order, epilogue
+#include "dq_tiles.cuh"
 #include "wgmma.cuh"
 
 namespace omni {
@@ -128,6 +134,28 @@ __device__ __forceinline__ void hold(const u32 (&a)[kSteps][4]) {
     for (int i = 0; i < 4; ++i) asm volatile("" ::"r"(a[kk][i]) : "memory");
 }
 
+// One warp's 16 rows x kTiles n8 tiles of dQ (m16n8 accumulators) into a staged piece of the
+// accumulator's tile layout at shared address `piece` (dq_tiles.cuh): rows `row` (this lane's,
+// lane / 4 included) and row + 8, columns lane_col, lane_col + 1 of each n8 tile. Two wavefronts
+// per store instruction (the layout's point). The swizzle only permutes the bits 5-7 of a row's
+// byte offsets that n8 tile dt sets, so every store's address is one base XOR dt << 5: the base
+// is formed here (opaque to the compiler), so that no table of 2 x kTiles addresses is hoisted out
+// of the q-tile loop into registers.
+template <int kTiles>
+__device__ __forceinline__ void stage_dq(u32 piece, const float (&acc)[kTiles][4], int row, int lane_col) {
+  static_assert(kTiles == dq_tiles::kCols / 8, "one n8 tile per 32 bytes of a 256-byte row");
+  const int x = row & 7;
+  u32 base = piece + row * dq_tiles::kCols * 4 + ((((lane_col >> 2) ^ x) & 1) << 4) + (lane_col & 3) * 4 + (x & 6) * 16;
+  asm volatile("" : "+r"(base));
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int dt = 0; dt < kTiles; ++dt)
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"((base + half * 8 * dq_tiles::kCols * 4) ^ (dt << 5)),
+                   "f"(acc[dt][2 * half]), "f"(acc[dt][2 * half + 1])
+                   : "memory");
+}
+
 // ================================================================ the kernel body
 // kDeterministic: dQ added in the fixed kv tile order (p.dq_semaphore), a kernel of its own so that
 // the atomic one (the default) carries none of the turn-taking code.
@@ -192,6 +220,17 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   // dS's A fragments from dSᵀ [kv][q] (ldmatrix.trans): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2.
   const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ
   const u32 ds_a = smem_u32(sdS + ((lane / 16) * 8 + lane % 8) * kLdS + ((lane / 8) % 2) * 8 + m0);
+  // dQ staging: the q tile's kHeadDim / 64 tiles (dq_tiles.cuh) as 8 KB pieces of 32 rows, piece
+  // 2 * column block + half (rows 32 * half ..), in order: the first half of them in Q's current
+  // buffer, the rest in dO's, so that each buffer is one contiguous run of the accumulator.
+  constexpr int kPieceBytes = dq_tiles::kFloats * 4 / 2;
+  static_assert(2 * C::kHeadDim / dq_tiles::kCols * kPieceBytes == 2 * S::kQBytes, "Q's and dO's buffers hold a q tile's dQ");
+  int buf = 0;
+  const auto dq_stage_addr = [&](int piece) -> u32 {
+    constexpr int kInQ = S::kQBytes / kPieceBytes;
+    return (piece < kInQ ? sQ + piece * kPieceBytes : sdO + (piece - kInQ) * kPieceBytes) + buf * S::kQBytes;
+  };
+  const auto bh_of = [&](int head) -> i64 { return static_cast<i64>(batch) * p.num_heads + head; };
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
 #pragma unroll
@@ -205,10 +244,11 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 
   QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, deterministic);
   if (cur.g < group) load_q_tile(cur, 0);
-  int buf = 0;
   while (cur.g < group) {
     // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
-    // warp is done with the previous q tile: its buffer is free for the prefetch, dSᵀ for rewriting.
+    // warp is done with the previous q tile: its buffer is free for the prefetch (once thread 0's
+    // bulk reductions have read the dQ staged there), dSᵀ for rewriting.
+    if (tid == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     wgmma::fence_proxy_async();
     __syncthreads();
@@ -300,12 +340,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     wgmma::pin(acc_dk);
     wgmma::pin(acc_dv);
 
-    // ---- dQ += dS K (fp32 reductions; in deterministic mode in the fixed kv tile order) ----
+    // ---- dQ += dS K: staged in the accumulator's tile layout (dq_tiles.cuh) in Q's and dO's buffers,
+    // free once every warpgroup's dK and dV have read them, then added by thread 0 with bulk
+    // reductions (in deterministic mode in the fixed kv tile order) ----
     {
-      const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
       int* sem = nullptr;
       int turn = 0;
-      if (deterministic) sem = bwd::dq_semaphore<kBr, kBc, 1>(p, batch, head, bh, kv_block, kv_in_block, cur, 0, turn);
+      if (deterministic) sem = bwd::dq_semaphore<kBr, kBc, 1>(p, batch, head, bh_of(head), kv_block, kv_in_block, cur, 0, turn);
       u32 a_ds[S::kKvSteps][4];
 #pragma unroll
       for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + kk * 16 * kLdS * 2);
@@ -321,18 +362,40 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         issue_regs_rows<S::kDqN, S::kKvSteps, T>(
             acc_dq, a_ds, wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
         wgmma::commit();
+        if (chunk == 0) {  // every warpgroup's dK and dV wgmma are done with Q and dO (and, when
+                           // deterministic, the kv tiles before this one have added: thread 0 waits)
+          if (deterministic && tid == 0) {
+            while (bwd::load_acquire(sem) != turn) {
+            }
+          }
+          __syncthreads();
+        }
         wgmma::wait<0>();
         wgmma::pin(acc_dq);
         hold(a_ds);
-        if (deterministic && chunk == 0) bwd::wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
-        bwd::add_dq_rows<C::kHeadDim>(p, bh, q0, m0 + lane / 4, col, acc_dq, (lane % 4) * 2);
+        stage_dq(dq_stage_addr(2 * (col / dq_tiles::kCols) + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2);
       }
-      if (deterministic) bwd::pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
+      wgmma::fence_proxy_async();  // the staged tiles (generic stores) are read by the async proxy
+      __syncthreads();
+      if (tid == 0) {
+        // The q tile's column blocks are consecutive tiles: Q's buffer holds the first half of them, dO's the rest.
+        float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, 0);
+        bulk_reduce_add_f32(dst, sQ + buf_off, S::kQBytes);
+        bulk_reduce_add_f32(dst + S::kQBytes / 4, sdO + buf_off, S::kQBytes);
+        bulk_commit();
+        if (deterministic) {  // complete and visible before the next kv tile's turn
+          bulk_wait<0>();
+          fence_proxy_async_global();
+          __threadfence();
+          bwd::store_release(sem, turn + 1);
+        }
+      }
     }
     cur = nxt;
     buf ^= 1;
   }
   cp_async_wait<0>();  // a kv tile that no q tile sees still has K and V in flight
+  if (tid == 0) bulk_wait<0>();  // the last q tile's dQ reductions, before the CTA's shared memory goes
 
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
   // Unpadded head dims only (dispatch/variant.py): every column is real.

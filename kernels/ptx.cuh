@@ -39,6 +39,30 @@ __device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, boo
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// ---- bulk reductions (sm_90): shared -> global, performed by the async proxy ------------------
+// dst[i] += src[i] over `bytes` (a multiple of 16; both addresses 16-byte aligned) in fp32 at L2.
+// The issuing thread tracks them in bulk groups: commit, then wait until the groups' reads of
+// shared memory are done (before that memory is rewritten) or until they are complete.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Orders the async proxy's global writes (completed bulk reductions) with the generic proxy's
+// later accesses of this thread, e.g. a release that hands them to another CTA.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most N committed groups are still in flight.

@@ -136,8 +136,11 @@ WORKSPACE_ALIGN = 256
 @dataclass(frozen=True)
 class Workspace:
     """The per-call scratch of one backward signature, in one allocation: lse_log2 and delta (fp32
-    ``[B, Hq, q_len_pad]``), the fp32 dQ accumulator ``[B, Hq, Nq, D]`` (D: the tile's head dim,
-    wider than the caller's when padded; zeroed by the preprocess kernel) and, for ``deterministic=True``, the int32 turn counters (zeroed here, on the stream)."""
+    ``[B, Hq, q_len_pad]``), the fp32 dQ accumulator of ``q_len_pad`` rows of D per head (D: the
+    tile's head dim, wider than the caller's when padded; rows for the mma.sync kernels, which use
+    the first Nq, 64 x 64 tiles for the wgmma kernels, kernels/dq_tiles.cuh; zeroed by the
+    preprocess kernel) and, for ``deterministic=True``, the int32 turn counters (zeroed here, on the
+    stream)."""
 
     sizes: tuple[int, int, int, int]  # bytes of lse_log2, delta, dq_accum, dq_semaphore (0: none)
 
@@ -146,7 +149,7 @@ class Workspace:
            deterministic: bool) -> "Workspace":
         rows = batch * heads * q_len_pad * 4
         semaphore = batch * heads * (q_len_pad // q_tile) * passes * 4 if deterministic else 0
-        return cls((rows, rows, batch * heads * q_len * head_dim * 4, semaphore))
+        return cls((rows, rows, batch * heads * q_len_pad * head_dim * 4, semaphore))
 
     @property
     def offsets(self) -> tuple[int, ...]:
