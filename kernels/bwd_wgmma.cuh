@@ -25,7 +25,7 @@
 // LSE/delta loads, the dQ order and the epilogue are bwd_common.cuh's, shared with it. The dQ adds
 // are this kernel's own: one element pair per lane and instruction (red.global, the mma.sync
 // kernel's) kept the LSU and L2 so busy that the kernel ran 1.7x slower than with no dQ adds at all
-// (NOTES.md §20); two 8-16 KB bulk reductions per q tile leave that work to the async proxy.
+// (NOTES.md §21); two 8-16 KB bulk reductions per q tile leave that work to the async proxy.
 //
 // dK and dV stay in registers across the whole walk. With two consumer warpgroups (kBc = 128) each
 // computes dQ for half of the head dim's columns over all kBc kv rows.
@@ -367,6 +367,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
           if (deterministic && tid == 0) {
             while (bwd::load_acquire(sem) != turn) {
             }
+            fence_proxy_async_global();  // our bulk reductions (async proxy) after the ones acquired
           }
           __syncthreads();
         }
