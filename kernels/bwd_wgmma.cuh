@@ -231,6 +231,11 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     return (piece < kInQ ? sQ + piece * kPieceBytes : sdO + (piece - kInQ) * kPieceBytes) + buf * S::kQBytes;
   };
   const auto bh_of = [&](int head) -> i64 { return static_cast<i64>(batch) * p.num_heads + head; };
+  // Who adds the staged dQ: at D = 128 each warp its own rows as soon as they are staged (no CTA
+  // barrier; 3.5-6 % faster than below, and the bias variants keep their registers), elsewhere and
+  // when deterministic thread 0 the whole q tile after a barrier (at D = 64 the per-warp adds
+  // measured 3.5-4 % slower; NOTES.md §21).
+  constexpr bool kWarpReductions = !deterministic && C::kHeadDim >= 128;
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
 #pragma unroll
@@ -248,7 +253,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
     // warp is done with the previous q tile: its buffer is free for the prefetch (once thread 0's
     // bulk reductions have read the dQ staged there), dSᵀ for rewriting.
-    if (tid == 0) bulk_wait_read<0>();
+    if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     wgmma::fence_proxy_async();
     __syncthreads();
@@ -374,21 +379,34 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         wgmma::wait<0>();
         wgmma::pin(acc_dq);
         hold(a_ds);
-        stage_dq(dq_stage_addr(2 * (col / dq_tiles::kCols) + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2);
+        const int block = col / dq_tiles::kCols;
+        stage_dq(dq_stage_addr(2 * block + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2);
+        if constexpr (kWarpReductions) {  // each warp adds its own 16 rows (4 KB, contiguous in both layouts)
+          wgmma::fence_proxy_async();  // the staged rows (generic stores) are read by the async proxy
+          __syncwarp();
+          if (lane == 0) {
+            bulk_reduce_add_f32(p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, block) +
+                                    m0 * dq_tiles::kCols,
+                                dq_stage_addr(2 * block + m0 / 32) + (m0 % 32) * dq_tiles::kCols * 4, 16 * dq_tiles::kCols * 4);
+            bulk_commit();
+          }
+        }
       }
-      wgmma::fence_proxy_async();  // the staged tiles (generic stores) are read by the async proxy
-      __syncthreads();
-      if (tid == 0) {
-        // The q tile's column blocks are consecutive tiles: Q's buffer holds the first half of them, dO's the rest.
-        float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, 0);
-        bulk_reduce_add_f32(dst, sQ + buf_off, S::kQBytes);
-        bulk_reduce_add_f32(dst + S::kQBytes / 4, sdO + buf_off, S::kQBytes);
-        bulk_commit();
-        if (deterministic) {  // complete and visible before the next kv tile's turn
-          bulk_wait<0>();
-          fence_proxy_async_global();
-          __threadfence();
-          bwd::store_release(sem, turn + 1);
+      if constexpr (!kWarpReductions) {
+        wgmma::fence_proxy_async();  // the staged tiles (generic stores) are read by the async proxy
+        __syncthreads();
+        if (tid == 0) {
+          // The q tile's column blocks are consecutive tiles: Q's buffer holds the first half of them, dO's the rest.
+          float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, 0);
+          bulk_reduce_add_f32(dst, sQ + buf_off, S::kQBytes);
+          bulk_reduce_add_f32(dst + S::kQBytes / 4, sdO + buf_off, S::kQBytes);
+          bulk_commit();
+          if (deterministic) {  // complete and visible before the next kv tile's turn
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            __threadfence();
+            bwd::store_release(sem, turn + 1);
+          }
         }
       }
     }
@@ -396,7 +414,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     buf ^= 1;
   }
   cp_async_wait<0>();  // a kv tile that no q tile sees still has K and V in flight
-  if (tid == 0) bulk_wait<0>();  // the last q tile's dQ reductions, before the CTA's shared memory goes
+  if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait<0>();  // the last q tile's dQ reductions, before the CTA's shared memory goes
 
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
   // Unpadded head dims only (dispatch/variant.py): every column is real.

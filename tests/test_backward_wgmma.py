@@ -127,10 +127,10 @@ def main_kernel_report(log: str, name: str) -> tuple[int, int]:
     return int(block.group(1)), int(spill.group(1)) + int(spill.group(2))
 
 
-#: Spill bytes allowed where the dQ staging of the bulk reductions (NOTES.md §20) left ptxas a few
-#: registers short at D = 128's 255: deterministic entries and unshipped feature variants (measured
-#: 8 bytes for the shipped causal+partial deterministic kernels, 24-48 for a bias without causal or
-#: partial blocks). Every shipped atomic kernel, the default, stays at 0.
+#: Spill bytes allowed where the dQ staging of the bulk reductions (NOTES.md §21) left ptxas a few
+#: registers short at D = 128's 255: deterministic entries and unshipped feature variants (measured:
+#: 8 bytes for the shipped causal+partial deterministic kernels; every other kernel 0). Every
+#: shipped atomic kernel, the default, must stay at 0.
 SMALL_SPILLS = 64
 
 
