@@ -13,9 +13,10 @@
 //   dK += dSᵀ Q       wgmma rs: dSᵀ in registers, Q N-major
 //   dQ += dS K        dSᵀ through padded shared memory (ldmatrix.trans gives dS's A fragments),
 //                     wgmma rs with K N-major; the fp32 result staged in Q's and dO's buffers
-//                     in the accumulator's tile layout (dq_tiles.cuh) and added by thread 0 with
-//                     two bulk reductions (cp.reduce.async.bulk), in the fixed kv order of the
-//                     mma.sync kernel when deterministic
+//                     in the accumulator's tile layout (dq_tiles.cuh) and added with bulk
+//                     reductions (cp.reduce.async.bulk): by each warp for its own rows at D = 128,
+//                     else by thread 0 for the q tile, in the fixed kv order of the mma.sync
+//                     kernel when deterministic
 //
 // Every tile the tensor cores read (K, V, Q, dO) sits in the 128-byte-swizzled layout of
 // kernels/wgmma.cuh, which serves as K-major (Sᵀ, dPᵀ: contraction over the head dim) and as
@@ -25,7 +26,7 @@
 // LSE/delta loads, the dQ order and the epilogue are bwd_common.cuh's, shared with it. The dQ adds
 // are this kernel's own: one element pair per lane and instruction (red.global, the mma.sync
 // kernel's) kept the LSU and L2 so busy that the kernel ran 1.7x slower than with no dQ adds at all
-// (NOTES.md §21); two 8-16 KB bulk reductions per q tile leave that work to the async proxy.
+// (NOTES.md §21); a few 4-16 KB bulk reductions per q tile leave that work to the async proxy.
 //
 // dK and dV stay in registers across the whole walk. With two consumer warpgroups (kBc = 128) each
 // computes dQ for half of the head dim's columns over all kBc kv rows.
