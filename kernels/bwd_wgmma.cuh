@@ -397,10 +397,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         wgmma::fence_proxy_async();  // the staged tiles (generic stores) are read by the async proxy
         __syncthreads();
         if (tid == 0) {
-          // The q tile's column blocks are consecutive tiles: Q's buffer holds the first half of them, dO's the rest.
+          // The q tile's column blocks are consecutive tiles: Q's buffer holds the first half of the
+          // pieces, dO's the rest, each one contiguous run of the accumulator.
+          constexpr int kInQ = S::kQBytes / kPieceBytes;
           float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, 0);
-          bulk_reduce_add_f32(dst, sQ + buf_off, S::kQBytes);
-          bulk_reduce_add_f32(dst + S::kQBytes / 4, sdO + buf_off, S::kQBytes);
+          bulk_reduce_add_f32(dst, dq_stage_addr(0), S::kQBytes);
+          bulk_reduce_add_f32(dst + S::kQBytes / 4, dq_stage_addr(kInQ), S::kQBytes);
           bulk_commit();
           if (deterministic) {  // complete and visible before the next kv tile's turn
             bulk_wait<0>();

@@ -1,4 +1,5 @@
-// PTX wrappers shared by every omnicupy kernel: async copies, ldmatrix, smem addressing, ex2.
+// PTX wrappers shared by every omnicupy kernel: async copies, bulk reductions, ldmatrix, smem
+// addressing, ex2.
 // Plain CUDA with no CUDA headers, so NVRTC needs no include path beyond this folder.
 #pragma once
 

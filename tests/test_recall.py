@@ -37,7 +37,7 @@ def test_overlaps(out, others, expected):
 def test_workspace_parts_are_aligned_and_disjoint(deterministic):
     B, H, N, D, br, passes = 2, 3, 777, 128, 64, 2
     pad = -(-N // br) * br
-    ws = Workspace.of(B, H, N, D, pad, br, passes, deterministic)
+    ws = Workspace.of(B, H, D, pad, br, passes, deterministic)
     assert ws.sizes == (B * H * pad * 4, B * H * pad * 4, B * H * pad * D * 4,
                         B * H * (pad // br) * passes * 4 if deterministic else 0)
     spans = [(off, off + size) for off, size in zip(ws.offsets, ws.sizes) if size]

@@ -192,16 +192,12 @@ class DiskCache:
         """Empty, but for a concurrent process writing the tag (its temporary, or the lock folder)."""
         return all(_TEMPORARY_RE.fullmatch(n) or n == "locks" for n in os.listdir(folder))
 
-    def _tagged_meanwhile(self, folder: Path) -> bool:
-        """Whether another process's tag appeared since this one looked. Called after a listing showed
-        more than a tag in progress: the listing may have caught that process's rename of its tag into
-        place (a look at the tag, then the rename, then the listing), so the tag is read once more."""
-        return self._has_tag(folder)
-
     def _claim(self, folder: Path) -> None:
         """Tag a folder this cache just made (empty); refuse one that holds somebody else's files."""
         if not self._only_our_tag_in_progress(folder):
-            if self._tagged_meanwhile(folder):
+            # The listing may have caught another process renaming its tag into place (a look at the
+            # tag, then the rename, then the listing): read the tag once more before refusing.
+            if self._has_tag(folder):
                 return
             raise CacheError(f"{folder} exists and was not made by omnicupy (it has no {TAG_NAME}): omnicupy does not "
                              f"write into it; choose another cache folder with OMNICUPY_CACHE_DIR")
@@ -223,7 +219,7 @@ class DiskCache:
         if not self._has_tag(self.dir):
             if self._only_our_tag_in_progress(self.dir):
                 return False
-            if not self._tagged_meanwhile(self.dir):
+            if not self._has_tag(self.dir):  # renamed into place since the first look (see _claim)
                 raise CacheError(f"{self.dir} was not made by omnicupy (it has no {TAG_NAME}): omnicupy does not read it")
         self._checked = True
         return True

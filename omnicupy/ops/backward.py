@@ -145,7 +145,7 @@ class Workspace:
     sizes: tuple[int, int, int, int]  # bytes of lse_log2, delta, dq_accum, dq_semaphore (0: none)
 
     @classmethod
-    def of(cls, batch: int, heads: int, q_len: int, head_dim: int, q_len_pad: int, q_tile: int, passes: int,
+    def of(cls, batch: int, heads: int, head_dim: int, q_len_pad: int, q_tile: int, passes: int,
            deterministic: bool) -> "Workspace":
         rows = batch * heads * q_len_pad * 4
         semaphore = batch * heads * (q_len_pad // q_tile) * passes * 4 if deterministic else 0
@@ -218,7 +218,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
-    workspace = Workspace.of(B, Hq, Nq, variant.head_dim, q_len_pad, variant.br, passes, deterministic)
+    workspace = Workspace.of(B, Hq, variant.head_dim, q_len_pad, variant.br, passes, deterministic)
     index, meta, ranks = _mask_tables(bm, variant.bc, deterministic, cp)
     user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
