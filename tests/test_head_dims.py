@@ -67,7 +67,7 @@ def test_forward_selection(monkeypatch, hd, sync_tile, hopper_tile, env_family):
         return
     v = tiles.select_variant(hd, "fp16", None, 128, 128, True, False, arch="sm_90")
     want_family = "sync" if env_family == "sync" or hopper_tile is None else (
-        env_family if env_family != "auto" else ("tma" if hopper_tile in tiles.TMA_AUTO_HEAD_DIMS else "wgmma"))
+        env_family if env_family != "auto" else ("tma" if tiles.auto_picks_tma(hopper_tile, True) else "wgmma"))
     assert v.family == want_family
     assert v.head_dim == (sync_tile if v.family == "sync" else hopper_tile)
     assert v.real_head_dim == hd and v.padded == (hd != v.head_dim)

@@ -9,7 +9,7 @@ from omnicupy.dispatch.variant import Variant
 
 # (head_dim, stages, q_block, kv_block, arch, OMNICUPY_MMA) -> expected family
 SELECTION = [
-    (64, None, 128, 128, "sm_90", "auto", "wgmma"),
+    (64, None, 128, 128, "sm_90", "auto", "tma"),         # D = 64 with CAUSAL blocks (NOTES.md §24)
     (128, 2, 128, 128, "sm_90", "auto", "tma"),         # tma measured faster at D = 128 (NOTES.md §12)
     (256, None, 128, 128, "sm_90", "auto", "tma"),
     (128, None, 128, 128, "sm_80", "auto", "sync"),     # wgmma is Hopper-only
@@ -112,14 +112,18 @@ def test_poly_exp_must_divide_the_n8_tiles(poly_exp):
         Variant(64, "fp16", 64, 64, 4, 2, poly_exp=poly_exp)  # bc 64: 8 n8 tiles
 
 
-def test_tma_is_automatic_only_for_measured_head_dims(monkeypatch):
+@pytest.mark.parametrize("hd,causal,extras,want", [
+    (128, False, {}, "tma"), (128, True, {"bias": "fp16"}, "tma"), (256, True, {}, "tma"),
+    # D = 64: tma only with CAUSAL blocks and no per-score work or fused mask (TMA_AUTO_CAUSAL_HEAD_DIMS)
+    (64, True, {}, "tma"), (64, False, {}, "wgmma"), (64, True, {"bias": "fp16"}, "wgmma"),
+    (64, True, {"mask_expr": ("q_idx >= kv_idx", ())}, "wgmma"),
+])
+def test_tma_is_automatic_only_where_measured(monkeypatch, hd, causal, extras, want):
     monkeypatch.setenv("OMNICUPY_MMA", "auto")
-    for hd in (64, 128, 256):
-        family = tiles.select_variant(hd, "fp16", None, 128, 128, True, False, arch="sm_90").family
-        assert family == ("tma" if hd in tiles.TMA_AUTO_HEAD_DIMS else "wgmma")
-    monkeypatch.setattr(tiles, "TMA_AUTO_HEAD_DIMS", frozenset({128}))
-    assert tiles.select_variant(128, "fp16", None, 128, 128, True, False, arch="sm_90").family == "tma"
-    assert tiles.select_variant(64, "fp16", None, 128, 128, True, False, arch="sm_90").family == "wgmma"
+    assert tiles.select_variant(hd, "fp16", None, 128, 128, causal, True, arch="sm_90", **extras).family == want
+    monkeypatch.setattr(tiles, "TMA_AUTO_HEAD_DIMS", frozenset())
+    monkeypatch.setattr(tiles, "TMA_AUTO_CAUSAL_HEAD_DIMS", frozenset())
+    assert tiles.select_variant(hd, "fp16", None, 128, 128, causal, True, arch="sm_90", **extras).family == "wgmma"
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -93,6 +93,21 @@ TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
 #: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
 #: at D = 64 it measured 3-5 % slower and stays opt-in (OMNICUPY_MMA=tma).
 TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
+#: Head dims for which auto picks the tma family only for masks with CAUSAL blocks and no per-score
+#: work or fused mask expression. D = 64, measured on the H200 (NOTES.md §24, benchmarks.run, fp16,
+#: N = 8192, two rounds each): causal +6-9 %, prefix-LM +4-5 %, interleaved +7 %, sliding window and
+#: documents -1 to -1.5 % (noise level); without CAUSAL blocks the wgmma family stays: random block
+#: masks -6 % on tma, full attention within the noise.
+TMA_AUTO_CAUSAL_HEAD_DIMS: frozenset[int] = frozenset({64})
+
+
+def auto_picks_tma(hopper_dim: int, causal: bool, extras: bool = False, mask_expr: Optional[tuple] = None) -> bool:
+    """Whether OMNICUPY_MMA=auto takes the tma family for a forward variant on sm_90: the measured
+    head dims (TMA_AUTO_HEAD_DIMS), and TMA_AUTO_CAUSAL_HEAD_DIMS where the mask has CAUSAL blocks
+    and the variant neither transforms scores (``extras``) nor evaluates a fused mask."""
+    if hopper_dim in TMA_AUTO_HEAD_DIMS:
+        return True
+    return hopper_dim in TMA_AUTO_CAUSAL_HEAD_DIMS and causal and not extras and mask_expr is None
 
 #: Stage used when the caller does not choose one.
 DEFAULT_STAGES: dict[int, int] = {32: 2, 64: 2, 96: 2, 128: 2, 256: 2}
@@ -156,7 +171,7 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
                    family: Optional[str] = None) -> Variant:
     """``arch`` is the device's (``jit.device_arch()``); on sm_90 the wgmma family is used wherever
     it has a tile for the head dim and block sizes, unless OMNICUPY_MMA says otherwise. The tma
-    family is used on sm_90 with OMNICUPY_MMA=tma, or by default for TMA_AUTO_HEAD_DIMS; where it
+    family is used on sm_90 with OMNICUPY_MMA=tma, or by default where ``auto_picks_tma``; where it
     has no tile the wgmma family serves (and ops/tma.py falls back to it for inputs TMA cannot
     address)."""
     valid = check_head_dim(head_dim)
@@ -172,7 +187,7 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family = family or env.mma_family()
     hopper = arch is not None and has_wgmma(arch)
     hopper = hopper and hopper_dim is not None
-    if hopper and (family == "tma" or (family == "auto" and hopper_dim in TMA_AUTO_HEAD_DIMS)):
+    if hopper and (family == "tma" or (family == "auto" and auto_picks_tma(hopper_dim, causal, extras, mask_expr))):
         # auto: only the tuned tile measured faster; the fallback tiles run when asked for
         tm = _hopper_tile("tma", hopper_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
         if tm is not None and extras:  # per-score work needs the registers the pipelines hold P in

@@ -10,7 +10,7 @@ info`` prints it). A bad value raises ``ArgumentError`` naming the variable when
 | OMNICUPY_KEEP_SOURCE | 0 | keep each rendered .cu beside its cubin |
 | OMNICUPY_LINEINFO | 0 | compile with -lineinfo (for ncu / compute-sanitizer source lines) |
 | OMNICUPY_VERBOSE | 0 | log compiles, cache hits and cache problems (logger ``omnicupy`` at DEBUG, to stderr) |
-| OMNICUPY_MMA | auto | kernel family: auto (wgmma on sm_90 where it applies), sync, wgmma, tma (sm_90: TMA producer + wgmma consumers) |
+| OMNICUPY_MMA | auto | kernel family: auto (on sm_90 tma or wgmma where a tile fits: dispatch/tiles.py auto_picks_tma), sync, wgmma, tma (sm_90: TMA producer + wgmma consumers) |
 | OMNICUPY_BWD | auto | backward kernel family: auto (dispatch/tiles.py WGMMA_BWD_AUTO_HEAD_DIMS on sm_90, else mma.sync; OMNICUPY_MMA=sync forces mma.sync), sync, wgmma (sm_90, where a wgmma backward tile fits; mma.sync elsewhere) |
 | OMNICUPY_SCHEDULE | lpt | q tile launch order: lpt (heaviest first, from the block mask), natural (last tile first) |
 """
