@@ -252,14 +252,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   if (cur.g < group) load_q_tile(cur, 0);
   while (cur.g < group) {
     // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
-    // warp is done with the previous q tile: its buffer is free for the prefetch (once thread 0's
-    // bulk reductions have read the dQ staged there), dSᵀ for rewriting.
-    if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
+    // warp is done with the previous q tile: dSᵀ is free for rewriting. The other buffer still
+    // holds the previous q tile's staged dQ, which its bulk reductions may be reading: it is
+    // refilled after the dSᵀ barrier below, once every reduction has read it.
     cp_async_wait<0>();
     wgmma::fence_proxy_async();
     __syncthreads();
-    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
-    if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
 
     const int head = hk * group + cur.g;
     const int q0 = cur.q0;
@@ -337,7 +335,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
     wgmma::commit();
     bwd::store_ds_rows<kLdS>(sdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
-    __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp
+    // The previous q tile's reductions have had most of this one to read its staged dQ: wait for
+    // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
+    if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
+    __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp; the other buffer is free
+    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
+    if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).
     wgmma::wait<0>();
