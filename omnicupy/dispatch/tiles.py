@@ -91,7 +91,8 @@ TMA_TUNED: dict[tuple[int, int], Tile] = {
 TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
 #: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
-#: at D = 64 it measured 3-5 % slower and stays opt-in (OMNICUPY_MMA=tma).
+#: at D = 64 it measured 3-5 % slower before its CTAs were persistent (§12), and now wins only on
+#: masks with CAUSAL blocks (TMA_AUTO_CAUSAL_HEAD_DIMS below).
 TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
 #: Head dims for which auto picks the tma family only for masks with CAUSAL blocks and no per-score
 #: work or fused mask expression. D = 64, measured on the H200 (NOTES.md §24, benchmarks.run, fp16,
