@@ -1,4 +1,5 @@
-// Row kernels of the backward pass: one warp per query row.
+// Row kernels of the backward pass: each query row read by a group of lanes, one 16-byte chunk
+// of o and dout per lane, several rows per warp where a row has fewer than 32 chunks.
 //
 //   preprocess_rows: delta = rowsum(dO * O) in fp32, the LSE once in log2 units (+inf for rows
 //                    with no allowed key and for padded rows, so that exp2(s - lse) is exactly 0
@@ -18,7 +19,21 @@ namespace omni {
 namespace bwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kRowWarps = 8;  // rows per CTA of the row kernels (omnicupy/ops/backward.py launches)
+constexpr int kRowWarps = 8;  // warps per CTA of the row kernels (omnicupy/ops/backward.py launches)
+
+// How a warp covers rows of kHeadDimValid columns: kLanes lanes per row (its 16-byte chunks rounded
+// up to a power of two), kRowsPerWarp rows. With one warp per row, D = 64 kept 8 of 32 lanes busy
+// and both kernels ran at a third of the DRAM bandwidth (NOTES.md §27). Mirrored by
+// omnicupy/ops/backward.py row_kernel_rows.
+template <int kHeadDimValid>
+struct RowShape {
+  static constexpr int kChunks = kHeadDimValid / 8;  // 16-byte chunks of a row of o, dout and dq
+  static constexpr int kLanes = kChunks <= 1 ? 1 : kChunks <= 2 ? 2 : kChunks <= 4 ? 4 : kChunks <= 8 ? 8
+                                : kChunks <= 16 ? 16 : 32;
+  static constexpr int kRowsPerWarp = 32 / kLanes;
+  static constexpr int kRowsPerCta = kRowWarps * kRowsPerWarp;
+  static_assert(kChunks <= 32, "one lane group reads a row in one pass");
+};
 
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
 
@@ -40,57 +55,60 @@ __device__ __forceinline__ float dot8(const Vec16& a, const Vec16& b) {
 // of o, dout and dq), smaller in a padded variant.
 template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
 __device__ __forceinline__ void preprocess_rows(const P& p) {
-  constexpr int kChunks = kHeadDimValid / 8;  // 16-byte chunks per row of o and dout, <= 32
-  static_assert(kChunks <= 32, "one warp reads a row in one pass");
+  using R = RowShape<kHeadDimValid>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kRowWarps + warp;
+  const int l = lane % R::kLanes;  // this lane's chunk of its row
+  const int row = blockIdx.x * R::kRowsPerCta + warp * R::kRowsPerWarp + lane / R::kLanes;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.q_len_pad) return;
+  // No early return: every lane takes part in the shuffles below (a warp's rows may straddle q_len_pad).
+  const bool padded = row < p.q_len_pad;
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
   const bool real = row < p.q_len;
   float dot = 0.f;
-  if (real && lane < kChunks) {
-    const Vec16 o = *reinterpret_cast<const Vec16*>(p.o + batch * p.o_sb + head * p.o_sh + row * p.o_sn + lane * 8);
-    const Vec16 d = *reinterpret_cast<const Vec16*>(p.dout + batch * p.do_sb + head * p.do_sh + row * p.do_sn + lane * 8);
+  if (real && l < R::kChunks) {
+    const Vec16 o = *reinterpret_cast<const Vec16*>(p.o + batch * p.o_sb + head * p.o_sh + row * p.o_sn + l * 8);
+    const Vec16 d = *reinterpret_cast<const Vec16*>(p.dout + batch * p.do_sb + head * p.do_sh + row * p.do_sn + l * 8);
     dot = dot8<T>(o, d);
   }
 #pragma unroll
-  for (int m = 16; m >= 1; m /= 2) dot += shfl_xor(dot, m);
-  if (lane == 0) {
+  for (int m = R::kLanes / 2; m >= 1; m /= 2) dot += shfl_xor(dot, m);  // within the row's lane group
+  if (!padded) return;
+  if (l == 0) {
     const float lse = real ? p.lse[bh * p.q_len + row] : neg_inf();
     p.lse_log2[bh * p.q_len_pad + row] = lse == neg_inf() ? pos_inf() : lse * kLog2e;
     p.delta[bh * p.q_len_pad + row] = real ? dot : 0.f;
   }
   if constexpr (kTiledDq) {  // every row of the q_len_pad (the tail tile's padding rows are added into too)
     const int tile = row / dq_tiles::kRows, r = row % dq_tiles::kRows;
-    for (int c = lane; c < kHeadDim / 4; c += 32) {  // a row's 256 bytes per column block, in any order
+    for (int c = l; c < kHeadDim / 4; c += R::kLanes) {  // a row's 256 bytes per column block, in any order
       const int block = c / (dq_tiles::kCols / 4), chunk = c % (dq_tiles::kCols / 4);
       float* at = p.dq_accum + dq_tiles::tile_offset<kHeadDim>(bh, p.q_len_pad, tile, block) + r * dq_tiles::kCols;
       reinterpret_cast<Vec16*>(at)[chunk] = Vec16{0u, 0u, 0u, 0u};
     }
   } else if (real) {
     Vec16* acc = reinterpret_cast<Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim);
-    for (int c = lane; c < kHeadDim / 4; c += 32) acc[c] = Vec16{0u, 0u, 0u, 0u};
+    for (int c = l; c < kHeadDim / 4; c += R::kLanes) acc[c] = Vec16{0u, 0u, 0u, 0u};
   }
 }
 
 template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
 __device__ __forceinline__ void convert_dq(const P& p) {
-  constexpr int kChunks = kHeadDimValid / 8;  // chunks of dq's rows
+  using R = RowShape<kHeadDimValid>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kRowWarps + warp;
+  const int l = lane % R::kLanes;  // this lane's chunk of its row
+  const int row = blockIdx.x * R::kRowsPerCta + warp * R::kRowsPerWarp + lane / R::kLanes;
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.q_len || lane >= kChunks) return;
+  if (row >= p.q_len || l >= R::kChunks) return;
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
-  Vec16 a, b;  // columns lane * 8 .. + 7
+  Vec16 a, b;  // columns l * 8 .. + 7
   if constexpr (kTiledDq) {
-    const int r = row % dq_tiles::kRows, col = lane * 8 % dq_tiles::kCols;
+    const int r = row % dq_tiles::kRows, col = l * 8 % dq_tiles::kCols;
     const float* tile = p.dq_accum + dq_tiles::tile_offset<kHeadDim>(bh, p.q_len_pad, row / dq_tiles::kRows,
-                                                                      lane * 8 / dq_tiles::kCols);
+                                                                      l * 8 / dq_tiles::kCols);
     a = *reinterpret_cast<const Vec16*>(tile + dq_tiles::within(r, col));
     b = *reinterpret_cast<const Vec16*>(tile + dq_tiles::within(r, col + 4));
   } else {
-    const Vec16* src = reinterpret_cast<const Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim + lane * 8);
+    const Vec16* src = reinterpret_cast<const Vec16*>(p.dq_accum + (bh * p.q_len + row) * kHeadDim + l * 8);
     a = src[0];
     b = src[1];
   }
@@ -100,7 +118,7 @@ __device__ __forceinline__ void convert_dq(const P& p) {
   out.y = T::pack(__uint_as_float(a.z) * s, __uint_as_float(a.w) * s);
   out.z = T::pack(__uint_as_float(b.x) * s, __uint_as_float(b.y) * s);
   out.w = T::pack(__uint_as_float(b.z) * s, __uint_as_float(b.w) * s);
-  *reinterpret_cast<Vec16*>(p.dq + batch * p.dq_sb + head * p.dq_sh + row * p.dq_sn + lane * 8) = out;
+  *reinterpret_cast<Vec16*>(p.dq + batch * p.dq_sb + head * p.dq_sh + row * p.dq_sn + l * 8) = out;
 }
 
 }  // namespace bwd

@@ -34,8 +34,18 @@ from .forward import Extras, _bias_fields, _element_strides, resolve_mask, stead
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
-#: Rows per CTA of the row kernels (kernels/bwd_rows.cuh kRowWarps: one warp per row).
+#: Warps per CTA of the row kernels (kernels/bwd_rows.cuh kRowWarps).
 ROW_WARPS = 8
+
+
+def row_kernel_rows(head_dim: int) -> int:
+    """Query rows per CTA of the row kernels for rows of ``head_dim`` columns (the caller's):
+    kernels/bwd_rows.cuh RowShape, one lane per 16-byte chunk, the chunks rounded up to a power of
+    two, as many rows per warp as fit in 32 lanes."""
+    lanes = 1
+    while lanes < head_dim // 8:
+        lanes *= 2
+    return ROW_WARPS * (32 // lanes)
 
 
 @dataclass(frozen=True)
@@ -241,10 +251,10 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
-    row_block = (32 * ROW_WARPS, 1, 1)
-    launches = [KernelLaunch(pre, (cdiv(q_len_pad, ROW_WARPS), Hq, B), row_block),
+    row_block, rows = (32 * ROW_WARPS, 1, 1), row_kernel_rows(variant.real_head_dim)
+    launches = [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
                 KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
-                KernelLaunch(convert, (cdiv(Nq, ROW_WARPS), Hq, B), row_block)]
+                KernelLaunch(convert, (cdiv(Nq, rows), Hq, B), row_block)]
     recipe = recall.Recipe.make(main, plan, fields, BACKWARD, pointer_fields=POINTER_FIELDS, launches=launches,
                                 workspace=workspace)
     scratch, parts = workspace.allocate(cp)
