@@ -129,9 +129,18 @@ def main_kernel_report(log: str, name: str) -> tuple[int, int]:
 
 #: Spill bytes allowed where the dQ staging of the bulk reductions (NOTES.md §21) left ptxas a few
 #: registers short at D = 128's 255: deterministic entries and unshipped feature variants (measured:
-#: 8 bytes for the shipped causal+partial deterministic kernels; every other kernel 0). Every
-#: shipped atomic kernel, the default, must stay at 0.
+#: 8 bytes for the shipped causal+partial deterministic kernels). Every other shipped atomic kernel,
+#: the default, must stay at 0, but for the D = 64 PARTIAL variants: at three CTAs per SM (168
+#: registers) they spill 36-44 bytes and measured 13-17 % faster than at two without spills
+#: (NOTES.md §28).
 SMALL_SPILLS = 64
+
+
+def spills_allowed(variant, entry: str) -> int:
+    shipped = variant in tiles.shipped_backward_variants(families=("wgmma",))
+    if shipped and entry == variant.name and not (variant.head_dim == 64 and variant.partial):
+        return 0
+    return SMALL_SPILLS
 
 
 @pytest.mark.parametrize("variant", BUILDS, ids=lambda v: v.name)
@@ -142,7 +151,7 @@ def test_wgmma_backward_compiles_without_spills(variant):
     shipped = variant in tiles.shipped_backward_variants(families=("wgmma",))
     for entry in (variant.name, f"{variant.name}_det"):  # the atomic and the deterministic main kernel
         registers, spills = main_kernel_report(result.log, entry)
-        allowed = 0 if shipped and entry == variant.name else SMALL_SPILLS
+        allowed = spills_allowed(variant, entry)
         assert registers <= 255 and spills <= allowed, f"{entry}: {registers} registers, {spills} bytes spilled"
     # C7519/C7520: ptxas serializing wgmma around register use it could not prove safe.
     injected = [line for line in result.log.splitlines() if re.search(r"C75\d\d", line)]
