@@ -1,7 +1,7 @@
 """Time candidate tiles per (head_dim, stages) on full and causal masks; print a table.
 
     PYTHONPATH=. python3 benchmarks/tune_tiles.py [--head-dims 64,128] [--n 8192] [--batch 2] [--heads 16]
-                                                  [--mma sync|wgmma]
+                                                  [--mma sync|wgmma|tma]
 
 Each candidate is checked against the reference on a subsample of rows before it is timed. SDPA's
 flash backend (FlashAttention-2) is timed in the same process when torch is importable.
@@ -25,6 +25,16 @@ CANDIDATES = [tiles.Tile(*t) for t in [(64, 64, 4), (128, 64, 4), (128, 32, 4), 
                                         (64, 128, 4), (64, 32, 4), (128, 32, 8)]]
 WGMMA_CANDIDATES = [tiles.Tile(*t) for t in [(128, 128, 8), (128, 64, 8), (64, 128, 4), (64, 64, 4), (192, 128, 12),
                                               (128, 256, 8), (192, 64, 12)]]
+#: The tma family (warps include the producer warpgroup's 4): the pipelines, poly_exp and kv widths
+#: of NOTES.md §24's sweeps.
+TMA_CANDIDATES = [tiles.Tile.parse(t) for t in ("128:128:12", "128:128:12:o", "128:128:12:o:pp", "128:128:12:p8",
+                                                "128:64:12", "128:64:12:o:pp", "128:256:12", "64:64:8:o")]
+
+
+def tile_label(tile: tiles.Tile) -> str:
+    """128x128w12, plus o (overlap), pp (ping-pong), pN (poly_exp)."""
+    flags = ("o" if tile.overlap else "") + ("pp" if tile.pingpong else "") + (f"p{tile.poly_exp}" if tile.poly_exp else "")
+    return f"{tile.br}x{tile.bc}w{tile.warps}{flags}"
 
 
 def time_ms(fn, warmup=3, reps=10):
@@ -67,7 +77,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--tiles", default="", help="br:bc:warps[:o][:pN],... (default: built-in candidates)")
     ap.add_argument("--json", default="")
-    ap.add_argument("--mma", choices=("sync", "wgmma"), default="sync", help="kernel family to tune")
+    ap.add_argument("--mma", choices=("sync", "wgmma", "tma"), default="sync", help="kernel family to tune")
     args = ap.parse_args(argv)
     os.environ["OMNICUPY_MMA"] = args.mma
     head_dims = [int(x) for x in args.head_dims.split(",")]
@@ -75,7 +85,7 @@ def main(argv=None):
     # tiles.Tile.parse specs: br:bc:warps[:o][:pN]
     candidates = ([tiles.Tile.parse(t) for t in args.tiles.split(",")]
                   if args.tiles
-                  else WGMMA_CANDIDATES if args.mma == "wgmma" else CANDIDATES)
+                  else {"wgmma": WGMMA_CANDIDATES, "tma": TMA_CANDIDATES}.get(args.mma, CANDIDATES))
     B, H, N = args.batch, args.heads, args.n
     dtype = np.float16 if args.dtype == "fp16" else omnicupy.arrays.BFLOAT16
     try:
@@ -126,7 +136,7 @@ def main(argv=None):
                             continue
                     kernel = omnicupy.jit.get_kernel(v_)
                     ok = err <= (3e-3 if args.dtype == "fp16" else 2e-2)
-                    row = dict(D=D, causal=causal, system=f"omnicupy_{args.mma}_st{st}", tile=f"{tile.br}x{tile.bc}w{tile.warps}{'o' if tile.overlap else ''}",
+                    row = dict(D=D, causal=causal, system=f"omnicupy_{args.mma}_st{st}", tile=tile_label(tile),
                                ms=ms, tflops=flops / ms / 1e9 if ok else None, err=err, regs=kernel.num_regs,
                                local=kernel.local_size_bytes)
                     rows.append(row)
