@@ -24,7 +24,7 @@ constexpr int kRowWarps = 8;  // warps per CTA of the row kernels (omnicupy/ops/
 // How a warp covers rows of kHeadDimValid columns: kLanes lanes per row (its 16-byte chunks rounded
 // up to a power of two), kRowsPerWarp rows. With one warp per row, D = 64 kept 8 of 32 lanes busy
 // and both kernels ran at a third of the DRAM bandwidth (NOTES.md §27). Mirrored by
-// omnicupy/ops/backward.py row_kernel_rows.
+// omnicupy/dispatch/variant.py row_kernel_rows (the templates static_assert that they agree).
 template <int kHeadDimValid>
 struct RowShape {
   static constexpr int kChunks = kHeadDimValid / 8;  // 16-byte chunks of a row of o, dout and dq

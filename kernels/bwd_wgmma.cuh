@@ -350,8 +350,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     wgmma::pin(acc_dv);
 
     // ---- dQ += dS K: staged in the accumulator's tile layout (dq_tiles.cuh) in Q's and dO's buffers,
-    // free once every warpgroup's dK and dV have read them, then added by thread 0 with bulk
-    // reductions (in deterministic mode in the fixed kv tile order) ----
+    // free once every warpgroup's dK and dV have read them, then added with bulk reductions: by
+    // each warp for its rows (kWarpReductions), else by thread 0 for the q tile (in deterministic
+    // mode in the fixed kv tile order) ----
     {
       int* sem = nullptr;
       int turn = 0;

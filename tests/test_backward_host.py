@@ -291,8 +291,9 @@ def test_deterministic_main_kernel_gets_the_shared_memory_opt_in(monkeypatch, fa
 @pytest.mark.parametrize("head_dim,rows", [(8, 256), (16, 128), (32, 64), (64, 32), (80, 16), (96, 16), (128, 16),
                                            (256, 8)])
 def test_row_kernels_cover_rows_as_the_kernel_does(head_dim, rows):
-    # kernels/bwd_rows.cuh RowShape: one lane per 16-byte chunk, rounded up to a power of two lanes
-    # per row, 32 / lanes rows per warp, 8 warps per CTA; the host's grid must cover the same rows.
-    from omnicupy.ops.backward import row_kernel_rows
+    # kernels/bwd_rows.cuh RowShape (the templates static_assert it): one lane per 16-byte chunk,
+    # rounded up to a power of two lanes per row, 32 / lanes rows per warp, 8 warps per CTA; the
+    # host's grid must cover the same rows.
+    from omnicupy.dispatch.variant import row_kernel_rows
 
     assert row_kernel_rows(head_dim) == rows

@@ -91,6 +91,21 @@ def tile_head_dim(head_dim: int, family: str = "sync") -> Optional[int]:
     return next((d for d in dims if d >= head_dim), None)
 
 
+#: Warps per CTA of the backward's row kernels (kernels/bwd_rows.cuh kRowWarps).
+BWD_ROW_WARPS = 8
+
+
+def row_kernel_rows(head_dim: int) -> int:
+    """Query rows per CTA of the backward's row kernels for rows of ``head_dim`` columns (the
+    caller's): kernels/bwd_rows.cuh RowShape, one lane per 16-byte chunk, the chunks rounded up to a
+    power of two, as many rows per warp as fit in 32 lanes. The templates static_assert that the
+    kernel agrees (Variant.template_params ``row_rows``)."""
+    lanes = 1
+    while lanes < head_dim // 8:
+        lanes *= 2
+    return BWD_ROW_WARPS * (32 // lanes)
+
+
 @dataclass(frozen=True, order=True)
 class Variant:
     """One rendering of an operation's template for one family.
@@ -331,6 +346,11 @@ class Variant:
         the arch's opt-in limit per block."""
         return (self.family not in HOPPER_FAMILIES or has_wgmma(arch)) and self.smem_bytes <= smem_limit(arch)
 
+    @property
+    def row_kernel_rows(self) -> int:
+        """backward: query rows per CTA of its row kernels (``row_kernel_rows``)."""
+        return row_kernel_rows(self.real_head_dim)
+
     def template_params(self) -> dict:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["variant_name"] = self.name
@@ -345,6 +365,8 @@ class Variant:
         values["smem_pad"] = SMEM_PAD_ELEMS
         values["head_dim_valid"] = self.real_head_dim
         values["persistent"] = self.persistent  # tma: the host launches one CTA per SM (plan.py)
+        if self.operation == "backward":  # the row kernels' grid, checked against RowShape in the kernel
+            values["row_rows"] = self.row_kernel_rows
         return values
 
 

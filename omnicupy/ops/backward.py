@@ -25,6 +25,7 @@ from .. import arrays, jit
 from ..dispatch.arch import current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
+from ..dispatch.variant import BWD_ROW_WARPS
 from ..errors import ArgumentError, CompileError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
@@ -34,18 +35,8 @@ from .forward import Extras, _bias_fields, _element_strides, resolve_mask, stead
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
-#: Warps per CTA of the row kernels (kernels/bwd_rows.cuh kRowWarps).
-ROW_WARPS = 8
-
-
-def row_kernel_rows(head_dim: int) -> int:
-    """Query rows per CTA of the row kernels for rows of ``head_dim`` columns (the caller's):
-    kernels/bwd_rows.cuh RowShape, one lane per 16-byte chunk, the chunks rounded up to a power of
-    two, as many rows per warp as fit in 32 lanes."""
-    lanes = 1
-    while lanes < head_dim // 8:
-        lanes *= 2
-    return ROW_WARPS * (32 // lanes)
+#: Warps per CTA of the row kernels; rows per CTA: Variant.row_kernel_rows (both dispatch/variant.py).
+ROW_WARPS = BWD_ROW_WARPS
 
 
 @dataclass(frozen=True)
@@ -251,7 +242,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
-    row_block, rows = (32 * ROW_WARPS, 1, 1), row_kernel_rows(variant.real_head_dim)
+    row_block, rows = (32 * ROW_WARPS, 1, 1), variant.row_kernel_rows
     launches = [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
                 KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
                 KernelLaunch(convert, (cdiv(Nq, rows), Hq, B), row_block)]
