@@ -19,7 +19,7 @@ namespace omni {
 namespace bwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kRowWarps = 8;  // warps per CTA of the row kernels (omnicupy/ops/backward.py launches)
+constexpr int kRowWarps = 8;  // warps per CTA of the row kernels (dispatch/variant.py BWD_ROW_WARPS)
 
 // How a warp covers rows of kHeadDimValid columns: kLanes lanes per row (its 16-byte chunks rounded
 // up to a power of two), kRowsPerWarp rows. With one warp per row, D = 64 kept 8 of 32 lanes busy
@@ -61,7 +61,7 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
   const int row = blockIdx.x * R::kRowsPerCta + warp * R::kRowsPerWarp + lane / R::kLanes;
   const int head = blockIdx.y, batch = blockIdx.z;
   // No early return: every lane takes part in the shuffles below (a warp's rows may straddle q_len_pad).
-  const bool padded = row < p.q_len_pad;
+  const bool in_workspace = row < p.q_len_pad;  // real or padding rows of the q_len_pad
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
   const bool real = row < p.q_len;
   float dot = 0.f;
@@ -72,7 +72,7 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
   }
 #pragma unroll
   for (int m = R::kLanes / 2; m >= 1; m /= 2) dot += shfl_xor(dot, m);  // within the row's lane group
-  if (!padded) return;
+  if (!in_workspace) return;
   if (l == 0) {
     const float lse = real ? p.lse[bh * p.q_len + row] : neg_inf();
     p.lse_log2[bh * p.q_len_pad + row] = lse == neg_inf() ? pos_inf() : lse * kLog2e;
