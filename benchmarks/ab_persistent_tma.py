@@ -132,12 +132,15 @@ def document_lengths(seq_len: int, seed: int) -> np.ndarray:
 
 def build_mask(case: Case, seed: int, xp: Any = None) -> BlockMask:
     """The case's BlockMask, broadcast over batch and heads. ``xp``: the array module the document
-    mask is evaluated with (None: omnicupy's default, CuPy with a GPU)."""
+    mask is evaluated with (None: omnicupy's default, CuPy with a GPU). Full and causal are built
+    from their mask_mods, not as the built-in rule masks: a rule mask may be planned on a rule tile
+    (tiles.TMA_RULE_TILES, re-blocked to 192-row q blocks), and this A/B is about the tuned tile's
+    persistent launch."""
     n = case.seq_len
-    if case.mask == "full":
-        return BlockMask.full(n, n)
+    if case.mask == "full":  # a prefix as long as the sequence: every pair
+        return BlockMask.from_mask_mod(masks.prefix_lm(n), None, None, n, n, xp=xp)
     if case.mask == "causal":
-        return BlockMask.causal(n, n)
+        return BlockMask.from_mask_mod(masks.causal(), None, None, n, n, xp=xp)
     ids = masks.doc_ids_from_lengths(document_lengths(n, seed))[:n]
     return BlockMask.from_mask_mod(masks.document(ids), None, None, n, n, xp=xp)
 

@@ -26,11 +26,13 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from helpers import TOLERANCE, random_block_mask, random_qkv  # noqa: E402
 
 
-def mask_with(features, rng, n):
+def mask_with(features, rng, n, rule=True):
+    """A mask with exactly these features; without PARTIAL blocks a built-in rule mask (``rule``:
+    the planner re-blocks those for tiles.TMA_RULE_TILES) or the same mask from its dense form."""
     causal, partial = features
     if not partial:
         bm = BlockMask.causal(n, n) if causal else BlockMask.full(n, n)
-        return bm, bm.to_dense()
+        return (bm if rule else BlockMask.from_dense(bm.to_dense())), bm.to_dense()
     probs = (0.2, 0.3, 0.2, 0.3) if causal else (0.2, 0.0, 0.4, 0.4)
     return random_block_mask(rng, 1, 2, n, n, 128, 128, probs=probs, empty_q_blocks=0)
 
@@ -57,11 +59,20 @@ def main(argv=None) -> int:
     failures = 0
     for variant in tiles.shipped_variants(head_dims=head_dims, families=families):
         os.environ["OMNICUPY_MMA"] = variant.family  # attention() picks this family's tuned tile
-        bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)
-        if (bm.features.causal, bm.features.partial) != (variant.causal, variant.partial):
-            bm, dense = mask_with((variant.causal, variant.partial), rng, args.n)  # resample a degenerate draw
+        rule = variant.family == "tma" and variant.br == 192  # the rule tile runs rule masks only
+        bm, dense = mask_with((variant.causal, variant.partial), rng, args.n, rule)
+        for _ in range(20):  # resample degenerate draws (a random mask without the block type asked for)
+            if (bm.features.causal, bm.features.partial) == (variant.causal, variant.partial):
+                break
+            bm, dense = mask_with((variant.causal, variant.partial), rng, args.n, rule)
         q, k, v = random_qkv(rng, 1, 2, args.n, variant.head_dim, variant.dtype)
-        out = omnicupy.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), bm, stages=variant.stages)
+        qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+        planned = omnicupy.plan(qd, kd, vd, bm, stages=variant.stages).variant
+        if planned != variant:
+            print(f"WRONG {variant.name}: the call plans {planned.name}", flush=True)
+            failures += 1
+            continue
+        out = omnicupy.attention(qd, kd, vd, bm, stages=variant.stages)
         failures += report(variant.name, out, reference.attention(q, k, v, dense), variant.dtype)
     for family in families:
         os.environ["OMNICUPY_MMA"] = family

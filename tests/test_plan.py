@@ -45,25 +45,84 @@ def test_plan_reports_the_launch_order_of_uneven_masks():
     assert omnicupy.plan(*qkv(), causal=True, arch="sm_90").q_tile_order is None  # the kernel's own order
 
 
-@pytest.mark.parametrize("head_dim, n, heads, persistent, grid_x, lists", [
-    pytest.param(128, 8192, 16, True, 132, True, id="d128-causal-persistent-lpt"),
-    pytest.param(64, 1024, 2, True, 16, False, id="d64-fewer-tiles-than-sms"),
-    pytest.param(256, 8192, 4, False, 256, False, id="d256-no-room-one-cta-per-tile"),
+def built_causal(q_len, kv_len=None):
+    """A causal mask built from its mask_mod: not a rule mask, so never re-blocked."""
+    return BlockMask.from_mask_mod(masks.causal(), None, None, q_len, q_len if kv_len is None else kv_len)
+
+
+@pytest.mark.parametrize("head_dim, n, heads, make, br, persistent, grid_x, lists", [
+    pytest.param(128, 8192, 16, built_causal, 128, True, 132, True, id="d128-causal-persistent-lpt"),
+    pytest.param(64, 1024, 2, built_causal, 128, True, 16, False, id="d64-fewer-tiles-than-sms"),
+    pytest.param(256, 8192, 4, BlockMask.causal, 128, False, 256, False, id="d256-no-room-one-cta-per-tile"),
+    pytest.param(64, 8192, 16, BlockMask.causal, 192, True, 132, True, id="d64-rule-tile-persistent"),
+    pytest.param(128, 8192, 2, BlockMask.full, 192, False, 86, False, id="d128-rule-tile-one-cta-per-tile"),
 ])
-def test_tma_plan_grid(monkeypatch, head_dim, n, heads, persistent, grid_x, lists):
+def test_tma_plan_grid(monkeypatch, head_dim, n, heads, make, br, persistent, grid_x, lists):
     from omnicupy.dispatch import arch as arch_mod, plan as plan_mod
 
     monkeypatch.setattr(arch_mod, "_sm_count", lambda device: 132)
     monkeypatch.setattr(plan_mod, "sm_count", lambda: 132)
     plan = plan_mod.plan_forward(head_dim=head_dim, dtype="fp16", batch=1, heads=heads,
-                                 block_mask=BlockMask.causal(n, n), stages=None, bias=None, mask_expr=None,
+                                 block_mask=make(n, n), stages=None, bias=None, mask_expr=None,
                                  score_expr=None, arch="sm_90", family="tma")
-    assert plan.variant.family == "tma" and plan.variant.persistent == persistent
+    assert plan.variant.family == "tma" and plan.variant.persistent == persistent and plan.variant.br == br
     assert plan.grid == (grid_x, 1, 1) and ("persistent CTAs, one per SM" in plan.reason) == persistent
     assert (plan.cta_tiles is not None) == lists
     if lists:
         offsets, tiles = plan.cta_tiles
-        assert offsets.size == grid_x + 1 and tiles.size == (n // plan.variant.br) * heads
+        assert offsets.size == grid_x + 1 and tiles.size == -(-n // plan.variant.br) * heads
+
+
+# (mask, n, head dim, family override, extras) -> whether the plan re-blocks the mask for the 192-row
+# tile (tiles.TMA_RULE_TILES: D 64 full from any length, D 64 causal and D 128 full from 2048 keys)
+RULE_CASES = [
+    pytest.param(BlockMask.full, 1000, 64, None, {}, True, id="full-d64"),
+    pytest.param(BlockMask.full, 2100, 128, None, {}, True, id="full-d128"),
+    pytest.param(BlockMask.full, 1000, 128, None, {}, False, id="full-d128-short"),
+    pytest.param(BlockMask.causal, 2100, 64, None, {}, True, id="causal-d64"),
+    pytest.param(BlockMask.causal, 1000, 64, None, {}, False, id="causal-d64-short"),
+    pytest.param(BlockMask.causal, 2100, 64, "tma", {}, True, id="causal-d64-forced-tma"),
+    pytest.param(BlockMask.causal, 4000, 128, None, {}, False, id="causal-d128-keeps-the-tuned-tile"),
+    pytest.param(BlockMask.full, 2100, 64, "wgmma", {}, False, id="wgmma-forced"),
+    pytest.param(BlockMask.full, 2100, 96, None, {}, False, id="no-rule-tile-d96"),
+    pytest.param(BlockMask.full, 2100, 256, None, {}, False, id="no-rule-tile-d256"),
+    pytest.param(BlockMask.full, 2100, 64, None, {"bias": "fp32"}, False, id="bias"),
+    pytest.param(built_causal, 2100, 64, None, {}, False, id="built-not-rule"),
+    pytest.param(lambda q, k: BlockMask.full(q, k, q_block_size=384), 2100, 64, None, {}, False, id="already-divides"),
+]
+
+
+@pytest.mark.parametrize("make, n, head_dim, family, extras, reblocks", RULE_CASES)
+def test_rule_masks_reblock_for_the_rule_tile(make, n, head_dim, family, extras, reblocks):
+    from omnicupy.dispatch import plan as plan_mod
+
+    bm = make(n, n)
+
+    def planned():
+        return plan_mod.plan_forward(head_dim=head_dim, dtype="fp16", batch=1, heads=2, block_mask=bm, stages=None,
+                                     bias=extras.get("bias"), mask_expr=None, score_expr=None, arch="sm_90",
+                                     family=family)
+
+    plan = planned()
+    assert (plan.block_mask is not None) == reblocks
+    if reblocks:
+        assert plan.variant.br == 192 and plan.block_mask.q_block_size == 192 and "re-blocked" in plan.reason
+        assert plan.block_mask.kv_block_size == bm.kv_block_size and plan.block_mask.rule == bm.rule
+        assert np.array_equal(plan.block_mask.to_dense(), bm.to_dense())  # the same element mask
+        assert planned().block_mask is plan.block_mask  # kept on the caller's mask
+    elif bm.q_block_size % 192 == 0:
+        assert plan.variant.br == 192  # a rule mask whose blocks already fit takes the tile as it is
+    else:
+        assert plan.variant.br != 192
+
+
+def test_only_rule_masks_reblock():
+    from omnicupy.mask.builders import reblocked
+
+    with pytest.raises(omnicupy.MaskError, match="rule"):
+        reblocked(built_causal(300), 192)
+    bm = BlockMask.causal(300, 500)
+    assert reblocked(bm, 128) is bm and reblocked(bm, 192) is reblocked(bm, 192)
 
 
 def test_plan_follows_mma_override(monkeypatch):

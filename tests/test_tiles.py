@@ -128,7 +128,7 @@ def test_tma_is_automatic_only_where_measured(monkeypatch, hd, causal, extras, w
 
 @pytest.mark.parametrize("kwargs,message", [
     pytest.param(dict(head_dim=96, br=128, bc=64, warps=12), "head_dim", id="head-dim"),
-    pytest.param(dict(head_dim=64, br=192, bc=64, warps=16), "br must be 64 or 128", id="three-consumers"),
+    pytest.param(dict(head_dim=64, br=256, bc=64, warps=20), "br must be 64, 128 or 192", id="four-consumers"),
     pytest.param(dict(head_dim=64, br=128, bc=64, warps=8), "producer warps", id="no-producer"),
     pytest.param(dict(head_dim=64, br=128, bc=96, warps=12), "bc must be one of", id="bc"),
     pytest.param(dict(head_dim=64, br=128, bc=64, warps=12, stages=1), "stages 2", id="stages"),

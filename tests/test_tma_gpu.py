@@ -99,6 +99,38 @@ def test_shipped_tiles(hd, mask, dtype):
     check(seed, q, k, v, dense, dtype, block_mask=bm, causal=causal)
 
 
+# ---------------------------------------------------------------- rule masks on the 192-row tile
+# (q_len, kv_len, heads, kv heads), the kv length raised by the entry's min_kv_len: tails of every
+# size against 192-row q blocks, Nq != Nkv both ways, GQA and MQA, one q block
+RULE_SHAPES = [
+    pytest.param(389, 261, 3, 3, id="tails"),
+    pytest.param(577, 1000, 8, 2, id="gqa-more-keys"),
+    pytest.param(192, 700, 4, 1, id="mqa-one-block"),
+    pytest.param(1153, 1153, 2, 2, id="square"),
+]
+RULE_ENTRIES = [pytest.param(hd, rule, e.min_kv_len, id=f"d{hd}-{rule}")
+                for (hd, _, rule), e in tiles.TMA_RULE_TILES.items()]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("nq,nkv,hq,hkv", RULE_SHAPES)
+@pytest.mark.parametrize("hd,rule,min_kv", RULE_ENTRIES)
+def test_rule_masks_on_the_rule_tile(hd, rule, min_kv, nq, nkv, hq, hkv, dtype):
+    """BlockMask.full / causal as built (128-row q blocks), planned on tiles.TMA_RULE_TILES through a
+    re-blocked copy: the plan says so, the output and LSE match float64, a second call (the recorded
+    launch) too."""
+    nkv += min_kv
+    seed = zlib.crc32(f"rule-{hd}-{rule}-{nq}-{nkv}-{hq}-{dtype}".encode())
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, hq, nq, hd, dtype, Hkv=hkv, Nkv=nkv)
+    bm = BlockMask.full(nq, nkv) if rule == "full" else BlockMask.causal(nq, nkv)
+    plan = omnicupy.plan(q, k, v, bm)
+    assert (plan.variant.family, plan.variant.br) == ("tma", 192), plan.variant.name
+    assert plan.block_mask is not None and plan.block_mask.q_block_size == 192
+    for _ in range(2):
+        check(seed, q, k, v, bm.to_dense(), dtype, block_mask=bm)
+
+
 # ---------------------------------------------------------------- shapes and layouts
 @pytest.mark.parametrize("hq,hkv", [pytest.param(8, 2, id="gqa"), pytest.param(4, 1, id="mqa")])
 @pytest.mark.parametrize("hd", [64, 128])

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import SizeLimitError
 from ..jit import env
 from ..mask import BlockMask, cdiv
+from ..mask.builders import reblocked
 from . import schedule, tiles
 from .arch import has_wgmma, sm_count
 from .variant import Variant
@@ -40,6 +41,9 @@ class Plan:
     #: tma, persistent CTAs: host int32 (offsets [grid x + 1], flat tiles) from
     #: schedule.cta_tile_lists, or None: grid stride over the flat tiles.
     cta_tiles: Optional[tuple[np.ndarray, np.ndarray]] = None
+    #: The mask the launch reads when it is not the caller's: a rule mask re-blocked for the tile
+    #: (builders.reblocked, kept on the caller's mask); None: the caller's mask.
+    block_mask: Optional[BlockMask] = None
 
     @property
     def operation(self) -> str:
@@ -66,7 +70,7 @@ class Plan:
 def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
     family = env.mma_family()
     if variant.family == "tma":
-        how = "OMNICUPY_MMA=tma" if family == "tma" else "measured faster than wgmma at this head dim"
+        how = "OMNICUPY_MMA=tma" if family == "tma" else "measured faster than wgmma here"
         return (f"tma: the device is sm_90 and {how}; tile {variant.br}x{variant.bc} (TMA producer warpgroup, "
                 f"{variant.br // 64} consumer warpgroups"
                 + (", ping-pong" if variant.pingpong else "") + ") divides the mask's blocks; "
@@ -86,11 +90,19 @@ def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
 def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mask: BlockMask,
                  stages: Optional[int], bias: Optional[str], mask_expr: Optional[tuple], score_expr: Optional[tuple],
                  arch: Optional[str], family: Optional[str] = None) -> Plan:
-    """``family`` overrides OMNICUPY_MMA (the forward falls back to "wgmma" where TMA cannot go)."""
+    """``family`` overrides OMNICUPY_MMA (the forward falls back to "wgmma" where TMA cannot go). A
+    built-in rule mask (``block_mask.rule``) is re-blocked to the q blocks of its tile
+    (tiles.rule_tile) when its own do not fit that tile; the plan then names the mask it launches."""
     bm = block_mask
+    extras = bias is not None or score_expr is not None
+    rt = None
+    if bm.rule is not None:
+        rt = tiles.rule_tile(bm.rule, head_dim, stages, bm.kv_len, arch, extras, mask_expr, family)
+    if rt is not None and bm.q_block_size % rt.br and bm.kv_block_size % rt.bc == 0:
+        bm = reblocked(bm, rt.br)
     variant = tiles.select_variant(head_dim, dtype, stages, bm.q_block_size, bm.kv_block_size, bm.features.causal,
                                    bm.features.partial, bias=bias, mask_expr=mask_expr, score_expr=score_expr,
-                                   arch=arch, family=family)
+                                   arch=arch, family=family, rule_tile=rt)
     order = schedule.launch_order(bm, variant.br)
     q_tiles = cdiv(bm.q_len, variant.br)
     grid, cta_tiles = (q_tiles, heads, batch), None
@@ -102,9 +114,13 @@ def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mas
         grid = (min(flat, sm_count()) if variant.persistent else flat, 1, 1)
         if variant.persistent:
             cta_tiles = schedule.cta_tile_lists(bm, variant.br, batch, heads, grid[0])
+    reason = _why(variant, arch, extras)
+    if bm is not block_mask:
+        reason += (f"; the {bm.rule} rule mask re-blocked from {block_mask.q_block_size}- to {bm.q_block_size}-row "
+                   f"q blocks for this tile")
     return Plan(variant=variant, grid=grid, block=(variant.threads, 1, 1),
-                smem_bytes=variant.smem_bytes, q_tile_order=order, arch=arch,
-                reason=_why(variant, arch, bias is not None or score_expr is not None), cta_tiles=cta_tiles)
+                smem_bytes=variant.smem_bytes, q_tile_order=order, arch=arch, reason=reason, cta_tiles=cta_tiles,
+                block_mask=bm if bm is not block_mask else None)
 
 
 def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block_mask: BlockMask,

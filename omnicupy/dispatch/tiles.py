@@ -89,6 +89,29 @@ TMA_TUNED: dict[tuple[int, int], Tile] = {
 }
 #: tma tiles for block sizes the tuned one does not divide (q blocks of 64: one consumer warpgroup).
 TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
+@dataclass(frozen=True)
+class RuleTile:
+    """A tile for a built-in rule mask, used from ``min_kv_len`` keys on (shorter walks lost)."""
+
+    tile: Tile
+    min_kv_len: int = 0
+
+
+#: tma tiles for the built-in rule masks (BlockMask.rule: full attention, top-left causal), which
+#: the planner re-blocks to the tile's height (builders.reblocked): three consumer warpgroups of 64
+#: rows on 192-row q blocks, consumers at 160 registers; (head_dim, stages, rule) -> RuleTile.
+#: Same-process A/B against the tuned 128-row tile on the H200 (NOTES.md §30; fp16, H 16, B x N =
+#: 16k tokens, N 1024..16384, three rounds): D = 64 full +7 % (N 1024) to +23 %, D = 64 causal
+#: -10 % at N 1024 and +4..+16 % from 2048 on, D = 128 full -6 % at 1024 and +6..+9 % from 2048
+#: on. D = 128 causal lost at every length (-1..-22 %: the 192-row tile at D = 128 has no room for
+#: persistent CTAs, and causal tiles are uneven), so it keeps the tuned tile. Only where nothing
+#: else needs registers (no bias, score modifier or fused mask), and only at the head dims
+#: measured (no padded ones).
+TMA_RULE_TILES: dict[tuple[int, int, str], RuleTile] = {
+    (64, 2, "full"): RuleTile(Tile(192, 128, 16)),
+    (64, 2, "causal"): RuleTile(Tile(192, 128, 16), min_kv_len=2048),
+    (128, 2, "full"): RuleTile(Tile(192, 128, 16), min_kv_len=2048),
+}
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
 #: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
 #: at D = 64 it measured 3-5 % slower before its CTAs were persistent (§12), and now wins only on
@@ -159,6 +182,20 @@ def _hopper_tile(family: str, head_dim: int, stages: int, q_block_size: int, kv_
 HOPPER_HEAD_DIM_RANGES = "40..64, 104..128, 136..256"
 
 
+def rule_tile(rule: str, head_dim: int, stages: Optional[int], kv_len: int, arch: Optional[str], extras: bool = False,
+              mask_expr: Optional[tuple] = None, family: Optional[str] = None) -> Optional[Tile]:
+    """The tile a rule mask (BlockMask.rule) of ``kv_len`` keys is planned on, or None: its
+    TMA_RULE_TILES entry on sm_90 when OMNICUPY_MMA (or ``family``) allows the tma family, for an
+    unpadded head dim with nothing per score."""
+    valid = check_head_dim(head_dim)
+    stages = DEFAULT_STAGES[tile_head_dim(valid)] if stages is None else stages
+    family = family or env.mma_family()
+    if extras or mask_expr is not None or family not in ("auto", "tma") or arch is None or not has_wgmma(arch):
+        return None
+    entry = TMA_RULE_TILES.get((valid, stages, rule))
+    return entry.tile if entry is not None and kv_len >= entry.min_kv_len else None
+
+
 def hopper_head_dim(head_dim: int) -> Optional[int]:
     """The wgmma/tma tile head dim of a caller's (checked) head dim, or None where those families
     would pad more than mma.sync (HOPPER_HEAD_DIM_RANGES)."""
@@ -169,12 +206,13 @@ def hopper_head_dim(head_dim: int) -> Optional[int]:
 def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_size: int, kv_block_size: int,
                    causal: bool, partial: bool, bias: Optional[str] = None, mask_expr: Optional[tuple] = None,
                    score_expr: Optional[tuple] = None, arch: Optional[str] = None,
-                   family: Optional[str] = None) -> Variant:
+                   family: Optional[str] = None, rule_tile: Optional[Tile] = None) -> Variant:
     """``arch`` is the device's (``jit.device_arch()``); on sm_90 the wgmma family is used wherever
     it has a tile for the head dim and block sizes, unless OMNICUPY_MMA says otherwise. The tma
     family is used on sm_90 with OMNICUPY_MMA=tma, or by default where ``auto_picks_tma``; where it
     has no tile the wgmma family serves (and ops/tma.py falls back to it for inputs TMA cannot
-    address)."""
+    address). ``rule_tile``: a built-in rule mask's tile (rule_tile()), taken where the block sizes
+    allow it."""
     valid = check_head_dim(head_dim)
     head_dim = tile_head_dim(valid)  # mma.sync's tile
     hopper_dim = hopper_head_dim(valid)
@@ -188,6 +226,10 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family = family or env.mma_family()
     hopper = arch is not None and has_wgmma(arch)
     hopper = hopper and hopper_dim is not None
+    rt = rule_tile
+    if rt is not None and hopper and q_block_size % rt.br == 0 and kv_block_size % rt.bc == 0:
+        return Variant(hopper_dim, dtype, rt.br, rt.bc, rt.warps, stages, causal, partial, bias, mask_expr, score_expr,
+                       family="tma", head_dim_valid=valid, **rt.options())
     if hopper and (family == "tma" or (family == "auto" and auto_picks_tma(hopper_dim, causal, extras, mask_expr))):
         # auto: only the tuned tile measured faster; the fallback tiles run when asked for
         tm = _hopper_tile("tma", hopper_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
@@ -234,6 +276,13 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                         for partial in (False, True):
                             out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, family=family,
                                                head_dim_valid=valid, **tile.options()))
+                    rules = ((r, e.tile) for (d, s_, r), e in TMA_RULE_TILES.items() if (d, s_) == (valid, st))
+                    for rule, rt in (rules if family == "tma" else ()):  # rule masks have no PARTIAL blocks
+                        for causal in ((False, True) if rule == "causal" else (False,)):  # short causal rows
+                            v = Variant(hd, dt, rt.br, rt.bc, rt.warps, st, causal, False, family=family,
+                                        head_dim_valid=valid, **rt.options())
+                            if v not in out:
+                                out.append(v)
     return out
 
 

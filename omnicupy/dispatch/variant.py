@@ -201,8 +201,8 @@ class Variant:
             consumers = self.br // 16
             if self.head_dim not in WGMMA_HEAD_DIMS:
                 raise VariantError(f"the tma family supports head_dim {WGMMA_HEAD_DIMS}, got {self.head_dim}")
-            if self.br not in (64, 128) or self.warps != consumers + TMA_PRODUCER_WARPS:
-                raise VariantError(f"tma: br must be 64 or 128 (one consumer warpgroup per 64 rows) and warps the "
+            if self.br not in (64, 128, 192) or self.warps != consumers + TMA_PRODUCER_WARPS:
+                raise VariantError(f"tma: br must be 64, 128 or 192 (one consumer warpgroup per 64 rows) and warps the "
                                    f"consumers' {consumers} plus {TMA_PRODUCER_WARPS} producer warps, got br={self.br}, "
                                    f"warps={self.warps}")
             if self.bc not in WGMMA_BC or self.stages != 2:

@@ -168,6 +168,7 @@ class BlockMask:
         _features: Optional[MaskFeatures] = None,
         _summary: Optional[MaskSummary] = None,
         _runs: Optional[RowRuns] = None,
+        _rule: Optional[str] = None,
     ) -> None:
         self.q_len, self.kv_len, self.q_block_size, self.kv_block_size = check_sizes(q_len, kv_len, q_block_size,
                                                                                      kv_block_size)
@@ -191,6 +192,10 @@ class BlockMask:
         self._tile_orders: dict = {}  # dispatch/schedule.launch_order per tile height, device copies
         self._recipes = None  # ops/recall.py: its RecipeStore (steady-state launches), made on first use
         self._backward_index: dict = {}  # ops/backward_index.py: the transposed index, per device
+        #: A built-in rule ("full", "causal": top-left) when a builder made this mask from one: the
+        #: same element mask exists at every block size (builders.reblocked); None otherwise.
+        self.rule: Optional[str] = _rule if trusted else None
+        self._reblocked: dict = {}  # builders.reblocked: this mask at other q block sizes
         self._check_shapes()
         if trusted:
             self.features, self.summary = _features, _summary

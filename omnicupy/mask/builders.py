@@ -138,7 +138,7 @@ def full(q_len: int, kv_len: int, *, q_block_size: int = 128, kv_block_size: int
     q = np.arange(nqb)
     runs = RowRuns((1, 1, nqb), q, np.zeros(nqb, np.int64), np.full(nqb, nkvb), np.full(nqb, int(BlockType.FULL)))
     return BlockMask(nb, idx, types, q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
-                     _features=MaskFeatures(causal=False, partial=False), _summary=summary, _runs=runs)
+                     _features=MaskFeatures(causal=False, partial=False), _summary=summary, _runs=runs, _rule="full")
 
 
 def causal(q_len: int, kv_len: int, *, bottom_right: bool = False, q_block_size: int = 128,
@@ -185,7 +185,24 @@ def _causal_rule(q_len: int, kv_len: int, qbs: int, kbs: int) -> BlockMask:
     return BlockMask(counts[None, None], np.broadcast_to(np.arange(maxb, dtype=np.int32), (1, 1, nqb, maxb)),
                      types[None, None], q_len=q_len, kv_len=kv_len, q_block_size=qbs, kv_block_size=kbs,
                      _features=MaskFeatures(causal=bool(has_causal.any()), partial=False), _summary=summary,
-                     _runs=runs)
+                     _runs=runs, _rule="causal")
+
+
+def reblocked(bm: BlockMask, q_block_size: int) -> BlockMask:
+    """A built-in rule mask (``bm.rule``) in q blocks of ``q_block_size`` rows, its kv blocks
+    unchanged: the same element mask, so the planner may launch a tile whose height does not divide
+    ``bm.q_block_size`` (dispatch/plan.py). Kept on ``bm`` (one per size), so that launches recorded
+    on ``bm`` keep its metadata alive. Raises MaskError for masks made from anything but a rule."""
+    if bm.rule is None:
+        raise MaskError("only the built-in rule masks (BlockMask.full, top-left BlockMask.causal) can change "
+                        "their q block size; rebuild other masks with the block size you need")
+    if q_block_size == bm.q_block_size:
+        return bm
+    if q_block_size not in bm._reblocked:
+        make = full if bm.rule == "full" else causal
+        bm._reblocked[q_block_size] = make(bm.q_len, bm.kv_len, q_block_size=q_block_size,
+                                           kv_block_size=bm.kv_block_size)
+    return bm._reblocked[q_block_size]
 
 
 def _causal_counts(q_len: int, kv_len: int, qbs: int, kbs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -665,5 +682,5 @@ def _dense_bits(mask: np.ndarray, coords: np.ndarray, q_len: int, kv_len: int, q
     return out
 
 
-__all__ = ["full", "causal", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "precompile_specs",
+__all__ = ["full", "causal", "reblocked", "from_mask_mod", "from_dense", "from_flex", "default_array_module", "precompile_specs",
            "CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS"]

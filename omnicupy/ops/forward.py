@@ -129,6 +129,7 @@ def _cta_tile_fields(bm: BlockMask, plan: Plan) -> dict[str, Any]:
 
 
 def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras: Extras = Extras()) -> recall.Recipe:
+    bm = plan.block_mask or bm  # a rule mask the plan re-blocked for its tile
     try:
         kernel = jit.get_kernel(plan.variant)
     except CompileError as exc:
