@@ -55,7 +55,7 @@ def built_causal(q_len, kv_len=None):
     pytest.param(64, 1024, 2, built_causal, 128, True, 16, False, id="d64-fewer-tiles-than-sms"),
     pytest.param(256, 8192, 4, BlockMask.causal, 128, False, 256, False, id="d256-no-room-one-cta-per-tile"),
     pytest.param(64, 8192, 16, BlockMask.causal, 192, True, 132, True, id="d64-rule-tile-persistent"),
-    pytest.param(128, 8192, 2, BlockMask.full, 192, False, 86, False, id="d128-rule-tile-one-cta-per-tile"),
+    pytest.param(128, 8192, 2, BlockMask.full, 192, True, 86, False, id="d128-rule-tile-persistent-swizzled-staging"),
 ])
 def test_tma_plan_grid(monkeypatch, head_dim, n, heads, make, br, persistent, grid_x, lists):
     from omnicupy.dispatch import arch as arch_mod, plan as plan_mod
@@ -74,7 +74,8 @@ def test_tma_plan_grid(monkeypatch, head_dim, n, heads, make, br, persistent, gr
 
 
 # (mask, n, head dim, family override, extras) -> whether the plan re-blocks the mask for the 192-row
-# tile (tiles.TMA_RULE_TILES: D 64 full from any length, D 64 causal and D 128 full from 2048 keys)
+# tile (tiles.TMA_RULE_TILES: D 64 full from any length, D 64 causal and D 128 full from 2048 keys,
+# D 128 causal from 8192)
 RULE_CASES = [
     pytest.param(BlockMask.full, 1000, 64, None, {}, True, id="full-d64"),
     pytest.param(BlockMask.full, 2100, 128, None, {}, True, id="full-d128"),
@@ -82,7 +83,8 @@ RULE_CASES = [
     pytest.param(BlockMask.causal, 2100, 64, None, {}, True, id="causal-d64"),
     pytest.param(BlockMask.causal, 1000, 64, None, {}, False, id="causal-d64-short"),
     pytest.param(BlockMask.causal, 2100, 64, "tma", {}, True, id="causal-d64-forced-tma"),
-    pytest.param(BlockMask.causal, 4000, 128, None, {}, False, id="causal-d128-keeps-the-tuned-tile"),
+    pytest.param(BlockMask.causal, 4000, 128, None, {}, False, id="causal-d128-short"),
+    pytest.param(BlockMask.causal, 8200, 128, None, {}, True, id="causal-d128-from-8k"),
     pytest.param(BlockMask.full, 2100, 64, "wgmma", {}, False, id="wgmma-forced"),
     pytest.param(BlockMask.full, 2100, 96, None, {}, False, id="no-rule-tile-d96"),
     pytest.param(BlockMask.full, 2100, 256, None, {}, False, id="no-rule-tile-d256"),

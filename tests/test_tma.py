@@ -56,6 +56,24 @@ def test_builds_without_spills_or_ptxas_notes(variant, ptxas_logs):
     assert registers == (168 if variant.br == 128 else registers) and registers <= 255
 
 
+@pytest.mark.parametrize("hd, br, bc, persistent, swizzled", [
+    pytest.param(128, 192, 128, True, True, id="d128-192-rows-swizzled-staging"),
+    pytest.param(128, 128, 128, True, False, id="d128-tuned-padded-staging"),
+    pytest.param(64, 192, 128, True, False, id="d64-192-rows-padded-staging"),
+    pytest.param(256, 128, 64, False, False, id="d256-one-cta-per-tile"),
+])
+def test_staging_rows_beside_the_tiles(hd, br, bc, persistent, swizzled):
+    """Persistent CTAs stage O in rows of their own: padded where they fit, else unpadded in the
+    XOR swizzle (the 192-row tile at D = 128: 1104 bytes over with padding); the template gets the
+    same answer as the host's shared-memory count."""
+    from omnicupy.dispatch.arch import smem_limit
+
+    v = Variant(hd, "fp16", br, bc, br // 16 + 4, 2, True, family="tma")
+    assert (v.persistent, v.staging_swizzled) == (persistent, swizzled)
+    assert v.smem_bytes <= smem_limit("sm_90")
+    assert f"kSwizzledStaging = {int(swizzled)} }};" in render.render_source(v)
+
+
 def test_register_reallocation_is_in_the_code():
     source = render.render_source(SHIPPED[0])
     assert "setmaxnreg.dec" in (env.kernels_dir() / "tma.cuh").read_text()

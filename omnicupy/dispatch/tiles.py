@@ -102,15 +102,16 @@ class RuleTile:
 #: rows on 192-row q blocks, consumers at 160 registers; (head_dim, stages, rule) -> RuleTile.
 #: Same-process A/B against the tuned 128-row tile on the H200 (NOTES.md §30; fp16, H 16, B x N =
 #: 16k tokens, N 1024..16384, three rounds): D = 64 full +7 % (N 1024) to +23 %, D = 64 causal
-#: -10 % at N 1024 and +4..+16 % from 2048 on, D = 128 full -6 % at 1024 and +6..+9 % from 2048
-#: on. D = 128 causal lost at every length (-1..-22 %: the 192-row tile at D = 128 has no room for
-#: persistent CTAs, and causal tiles are uneven), so it keeps the tuned tile. Only where nothing
-#: else needs registers (no bias, score modifier or fused mask), and only at the head dims
-#: measured (no padded ones).
+#: -10 % at N 1024 and +4..+16 % from 2048 on; D = 128 (persistent through unpadded staging rows,
+#: Variant.staging_swizzled) full even at 1024 and +3..+7 % (medians) from 2048 on, causal -14 % at
+#: 1024, even at 2048 and 4096, +5..+6 % (medians) at 8192 and 16384. Only where nothing else needs
+#: registers (no bias, score modifier or fused mask), and only at the head dims measured (no padded
+#: ones).
 TMA_RULE_TILES: dict[tuple[int, int, str], RuleTile] = {
     (64, 2, "full"): RuleTile(Tile(192, 128, 16)),
     (64, 2, "causal"): RuleTile(Tile(192, 128, 16), min_kv_len=2048),
     (128, 2, "full"): RuleTile(Tile(192, 128, 16), min_kv_len=2048),
+    (128, 2, "causal"): RuleTile(Tile(192, 128, 16), min_kv_len=8192),
 }
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
 #: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);

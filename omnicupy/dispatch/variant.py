@@ -277,9 +277,19 @@ class Variant:
         return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2 + TMA_BARRIER_BYTES
 
     @property
+    def staging_swizzled(self) -> bool:
+        """tma: the epilogue stages O in unpadded rows (XOR swizzle, kernels/fwd_epilogue.cuh), the
+        only staging that fits beside Q and the ring for persistent CTAs (the 192-row tile at D = 128);
+        padded rows everywhere else, as before."""
+        limit = smem_limit("sm_90")
+        padded = self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2
+        return (self.family == "tma" and self._tma_tiles_bytes + padded > limit
+                and self._tma_tiles_bytes + self.br * self.head_dim * 2 <= limit)
+
+    @property
     def _tma_staging_bytes(self) -> int:
-        """tma: the epilogue's padded rows of O (their own bytes only when persistent)."""
-        return self.br * (self.head_dim + SMEM_PAD_ELEMS) * 2
+        """tma: the epilogue's rows of O (their own bytes only when persistent)."""
+        return self.br * (self.head_dim + (0 if self.staging_swizzled else SMEM_PAD_ELEMS)) * 2
 
     @property
     def real_head_dim(self) -> int:
@@ -365,6 +375,7 @@ class Variant:
         values["smem_pad"] = SMEM_PAD_ELEMS
         values["head_dim_valid"] = self.real_head_dim
         values["persistent"] = self.persistent  # tma: the host launches one CTA per SM (plan.py)
+        values["staging_swizzled"] = self.staging_swizzled
         if self.operation == "backward":  # the row kernels' grid, checked against RowShape in the kernel
             values["row_rows"] = self.row_kernel_rows
         return values
