@@ -89,6 +89,8 @@ TMA_TUNED: dict[tuple[int, int], Tile] = {
 }
 #: tma tiles for block sizes the tuned one does not divide (q blocks of 64: one consumer warpgroup).
 TMA_FALLBACKS = (Tile(64, 64, 8, overlap=True),)
+
+
 @dataclass(frozen=True)
 class RuleTile:
     """A tile for a built-in rule mask, used from ``min_kv_len`` keys on (shorter walks lost)."""
@@ -279,7 +281,9 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                                                head_dim_valid=valid, **tile.options()))
                     rules = ((r, e.tile) for (d, s_, r), e in TMA_RULE_TILES.items() if (d, s_) == (valid, st))
                     for rule, rt in (rules if family == "tma" else ()):  # rule masks have no PARTIAL blocks
-                        for causal in ((False, True) if rule == "causal" else (False,)):  # short causal rows
+                        # a causal rule mask whose queries see every key (kv_len <= the first row's
+                        # reach) has no CAUSAL blocks: it runs the non-causal variant
+                        for causal in ((False, True) if rule == "causal" else (False,)):
                             v = Variant(hd, dt, rt.br, rt.bc, rt.warps, st, causal, False, family=family,
                                         head_dim_valid=valid, **rt.options())
                             if v not in out:
