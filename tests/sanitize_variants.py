@@ -27,15 +27,16 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from helpers import TOLERANCE, random_block_mask, random_qkv  # noqa: E402
 
 
-def mask_with(features, rng, n, rule=True):
+def mask_with(features, rng, n, rule=True, q_block_size=128):
     """A mask with exactly these features; without PARTIAL blocks a built-in rule mask (``rule``:
-    the planner re-blocks those for tiles.TMA_RULE_TILES) or the same mask from its dense form."""
+    the planner re-blocks those for tiles.TMA_RULE_TILES) or the same mask from its dense form; with
+    them random blocks of ``q_block_size`` rows (192: tiles.TMA_BLOCK_TILES)."""
     causal, partial = features
     if not partial:
         bm = BlockMask.causal(n, n) if causal else BlockMask.full(n, n)
         return (bm if rule else BlockMask.from_dense(bm.to_dense())), bm.to_dense()
     probs = (0.2, 0.3, 0.2, 0.3) if causal else (0.2, 0.0, 0.4, 0.4)
-    return random_block_mask(rng, 1, 2, n, n, 128, 128, probs=probs, empty_q_blocks=0)
+    return random_block_mask(rng, 1, 2, n, n, q_block_size, 128, probs=probs, empty_q_blocks=0)
 
 
 def main(argv=None) -> int:
@@ -62,12 +63,13 @@ def main(argv=None) -> int:
     tiles.TMA_RULE_TILES = {key: dataclasses.replace(e, min_kv_len=0) for key, e in tiles.TMA_RULE_TILES.items()}
     for variant in tiles.shipped_variants(head_dims=head_dims, families=families):
         os.environ["OMNICUPY_MMA"] = variant.family  # attention() picks this family's tuned tile
-        rule = variant.family == "tma" and variant.br == 192  # the rule tile runs rule masks only
-        bm, dense = mask_with((variant.causal, variant.partial), rng, args.n, rule)
+        rule = variant.family == "tma" and variant.br == 192  # the 192-row tile: rule masks or 192-row blocks
+        qbs = 192 if rule else 128
+        bm, dense = mask_with((variant.causal, variant.partial), rng, args.n, rule, qbs)
         for _ in range(20):  # resample degenerate draws (a random mask without the block type asked for)
             if (bm.features.causal, bm.features.partial) == (variant.causal, variant.partial):
                 break
-            bm, dense = mask_with((variant.causal, variant.partial), rng, args.n, rule)
+            bm, dense = mask_with((variant.causal, variant.partial), rng, args.n, rule, qbs)
         q, k, v = random_qkv(rng, 1, 2, args.n, variant.head_dim, variant.dtype)
         qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
         planned = omnicupy.plan(qd, kd, vd, bm, stages=variant.stages).variant

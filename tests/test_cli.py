@@ -24,7 +24,7 @@ from omnicupy.cli.progress import Progress
 from omnicupy.jit.cache import CACHE_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--head-dims", "64", "--dtypes", "fp16", "--stages", "2", "--ops", "forward"]  # 4 per family, 2 rule tiles
+SMALL = ["--head-dims", "64", "--dtypes", "fp16", "--stages", "2", "--ops", "forward"]  # 4 per family, 4 on the 192-row tma tile
 FORMAT_DIR = f"v{CACHE_FORMAT}"
 no_gpu_only = pytest.mark.skipif(arrays.gpu_available(), reason="checks the behaviour without a GPU")
 linux_only = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
@@ -159,10 +159,10 @@ def test_dry_run_sm90a_lists_the_wgmma_variants_as_sm90a(cache, omnicupy_command
 def test_precompile_sm90a_builds_only_wgmma(cache, omnicupy_command):
     result = omnicupy_command("precompile", "--arch", "sm_90a", *SMALL, "--jobs", "2", cache=cache)
     assert result.returncode == 0, result.stderr
-    assert "10 built, 0 already cached, 0 failed" in result.stdout  # 4 wgmma, 4 tma, 2 tma rule-tile variants
+    assert "12 built, 0 already cached, 0 failed" in result.stdout  # 4 wgmma, 4 tma, 4 on the 192-row tma tile
     rows = [line.split() for line in omnicupy_command("cache", "list", cache=cache).stdout.splitlines()
             if line.startswith("omni_fwd_")]
-    assert len(rows) == 10 and all(("_wgmma" in row[0] or "_tma" in row[0]) and row[1] == "sm_90a" for row in rows)
+    assert len(rows) == 12 and all(("_wgmma" in row[0] or "_tma" in row[0]) and row[1] == "sm_90a" for row in rows)
 
 
 # ----------------------------------------------------------------------------- precompile: running
@@ -170,17 +170,17 @@ def test_precompile_without_gpu_for_sm80_and_sm90(warm_cache, omnicupy_command):
     listing = omnicupy_command("cache", "list", cache=warm_cache)
     assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("omni_fwd_")]
-    assert len(rows) == 18  # 4 mma.sync variants for each arch; 4 wgmma, 4 tma, 2 rule-tile ones for sm_90 (as sm_90a)
+    assert len(rows) == 20  # 4 mma.sync variants for each arch; 4 wgmma, 4 + 4 tma ones for sm_90 (as sm_90a)
     assert sorted({row[1] for row in rows}) == ["sm_80", "sm_90", "sm_90a"]
     assert all(row[0].startswith("omni_fwd_fp16_hd64_") and "_st2" in row[0] for row in rows)
     assert all(("_wgmma" in row[0] or "_tma" in row[0]) == (row[1] == "sm_90a") for row in rows)
-    assert "18 variants" in listing.stdout
+    assert "20 variants" in listing.stdout
 
 
 def test_precompile_again_hits_the_cache(warm_cache, omnicupy_command):
     result = omnicupy_command("precompile", "--arch", "sm_80,sm_90", *SMALL, "--jobs", "1", cache=warm_cache)
     assert result.returncode == 0, result.stderr
-    assert "0 built, 18 already cached, 0 failed" in result.stdout
+    assert "0 built, 20 already cached, 0 failed" in result.stdout
     assert "bytes" in result.stdout
 
 
@@ -317,10 +317,10 @@ def test_cache_clear(tmp_path, warm_cache, omnicupy_command):
     result = omnicupy_command("cache", "clear", "--older-than", "2", cache=cache)
     assert result.returncode == 0 and "removed 1 entries" in result.stdout
     assert not meta_path.exists() and not meta_path.with_suffix(".cubin").exists()
-    assert len(list((cache / FORMAT_DIR).glob("*.cubin"))) == 17
+    assert len(list((cache / FORMAT_DIR).glob("*.cubin"))) == 19
 
     result = omnicupy_command("cache", "clear", cache=cache)
-    assert result.returncode == 0 and "removed 17 entries and 1 folder(s) of older cache formats" in result.stdout
+    assert result.returncode == 0 and "removed 19 entries and 1 folder(s) of older cache formats" in result.stdout
     assert f"left 1 folder(s) holding files omnicupy did not write: {cache / 'v0'}" in result.stdout
     assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()) == [
         "notes.json", "v0/old.cubin", f"{FORMAT_DIR}/CACHEDIR.TAG"]
@@ -335,7 +335,7 @@ def test_info_without_gpu(warm_cache, omnicupy_command):
     assert fields["omnicupy"].startswith("0.")
     assert fields["cupy"][0].isdigit() and fields["filelock"][0].isdigit()
     assert fields["nvrtc"][0].isdigit() and "sm_90" in fields["nvrtc"]
-    assert fields["cache"].startswith(str(warm_cache)) and "(18 variants" in fields["cache"]
+    assert fields["cache"].startswith(str(warm_cache)) and "(20 variants" in fields["cache"]
     assert fields["environment"] == f"OMNICUPY_CACHE_DIR={warm_cache}"
     if not arrays.gpu_available():
         assert fields["driver"] == "none"

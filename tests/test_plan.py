@@ -118,6 +118,24 @@ def test_rule_masks_reblock_for_the_rule_tile(make, n, head_dim, family, extras,
         assert plan.variant.br != 192
 
 
+@pytest.mark.parametrize("head_dim, family, extras, br", [
+    pytest.param(64, None, {}, 192, id="d64"),
+    pytest.param(128, None, {}, 192, id="d128"),
+    pytest.param(64, "wgmma", {}, 64, id="wgmma-forced"),
+    pytest.param(64, None, {"bias": "fp32"}, 64, id="bias"),
+])
+def test_masks_built_at_192_row_blocks_take_the_block_tile(head_dim, family, extras, br):
+    """Any mask with 192-row q blocks (tiles.TMA_BLOCK_TILES), PARTIAL blocks included; never re-blocked."""
+    from omnicupy.dispatch import plan as plan_mod
+
+    bm = BlockMask.from_mask_mod(masks.sliding_window(300), None, None, 2000, 2000, q_block_size=192)
+    assert bm.features.partial and bm.rule is None
+    plan = plan_mod.plan_forward(head_dim=head_dim, dtype="fp16", batch=1, heads=2, block_mask=bm, stages=None,
+                                 bias=extras.get("bias"), mask_expr=None, score_expr=None, arch="sm_90", family=family)
+    assert plan.variant.br == br and plan.block_mask is None
+    assert (plan.variant.family == "tma") == (br == 192)
+
+
 def test_only_rule_masks_reblock():
     from omnicupy.mask.builders import reblocked
 

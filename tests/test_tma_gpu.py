@@ -131,6 +131,21 @@ def test_rule_masks_on_the_rule_tile(hd, rule, min_kv, nq, nkv, hq, hkv, dtype):
         check(seed, q, k, v, bm.to_dense(), dtype, block_mask=bm)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("nq,nkv,hq,hkv", RULE_SHAPES)
+@pytest.mark.parametrize("hd", sorted({hd for hd, _ in tiles.TMA_BLOCK_TILES}))
+def test_masks_built_at_192_row_blocks(hd, nq, nkv, hq, hkv, dtype):
+    """Random blocks of every type (PARTIAL included, empty q blocks) on 192-row q blocks run
+    tiles.TMA_BLOCK_TILES' tile as they are (no re-blocking) and match float64."""
+    seed = zlib.crc32(f"blocks192-{hd}-{nq}-{nkv}-{hq}-{dtype}".encode())
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, hq, nq, hd, dtype, Hkv=hkv, Nkv=nkv)
+    bm, dense = random_block_mask(rng, 1, hq, nq, nkv, 192, 128, empty_q_blocks=1)
+    plan = omnicupy.plan(q, k, v, bm)
+    assert (plan.variant.family, plan.variant.br, plan.block_mask) == ("tma", 192, None), plan.variant.name
+    check(seed, q, k, v, dense, dtype, block_mask=bm)
+
+
 # ---------------------------------------------------------------- shapes and layouts
 @pytest.mark.parametrize("hq,hkv", [pytest.param(8, 2, id="gqa"), pytest.param(4, 1, id="mqa")])
 @pytest.mark.parametrize("hd", [64, 128])

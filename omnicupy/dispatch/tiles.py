@@ -115,6 +115,16 @@ TMA_RULE_TILES: dict[tuple[int, int, str], RuleTile] = {
     (128, 2, "full"): RuleTile(Tile(192, 128, 16), min_kv_len=2048),
     (128, 2, "causal"): RuleTile(Tile(192, 128, 16), min_kv_len=8192),
 }
+#: tma tiles for masks whose q blocks are a multiple of 192 rows however they were built (a caller
+#: passes q_block_size=192 to a builder): the rule tiles' three consumer warpgroups, at any length.
+#: Measured on the H200 (NOTES.md §30, call 10, N = 8192): the benchmark's structured masks built
+#: at 192-row blocks on this tile against the same masks at 128-row blocks on the tuned path:
+#: D = 64 +3..+16 %, D = 128 0..+11 % (random blocks drawn on a 128-row grid lose at 192-row
+#: blocks: most of their blocks turn PARTIAL). Same conditions as the rule tiles.
+TMA_BLOCK_TILES: dict[tuple[int, int], Tile] = {
+    (64, 2): Tile(192, 128, 16),
+    (128, 2): Tile(192, 128, 16),
+}
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
 #: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
 #: at D = 64 it measured 3-5 % slower before its CTAs were persistent (§12), and now wins only on
@@ -215,7 +225,7 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family is used on sm_90 with OMNICUPY_MMA=tma, or by default where ``auto_picks_tma``; where it
     has no tile the wgmma family serves (and ops/tma.py falls back to it for inputs TMA cannot
     address). ``rule_tile``: a built-in rule mask's tile (rule_tile()), taken where the block sizes
-    allow it."""
+    allow it; masks whose q blocks are a multiple of 192 rows take TMA_BLOCK_TILES the same way."""
     valid = check_head_dim(head_dim)
     head_dim = tile_head_dim(valid)  # mma.sync's tile
     hopper_dim = hopper_head_dim(valid)
@@ -229,10 +239,11 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family = family or env.mma_family()
     hopper = arch is not None and has_wgmma(arch)
     hopper = hopper and hopper_dim is not None
-    rt = rule_tile
-    if rt is not None and hopper and q_block_size % rt.br == 0 and kv_block_size % rt.bc == 0:
-        return Variant(hopper_dim, dtype, rt.br, rt.bc, rt.warps, stages, causal, partial, bias, mask_expr, score_expr,
-                       family="tma", head_dim_valid=valid, **rt.options())
+    plain = hopper and family in ("auto", "tma") and not extras and mask_expr is None
+    for rt in (rule_tile, TMA_BLOCK_TILES.get((valid, stages)) if plain else None):
+        if rt is not None and hopper and q_block_size % rt.br == 0 and kv_block_size % rt.bc == 0:
+            return Variant(hopper_dim, dtype, rt.br, rt.bc, rt.warps, stages, causal, partial, bias, mask_expr,
+                           score_expr, family="tma", head_dim_valid=valid, **rt.options())
     if hopper and (family == "tma" or (family == "auto" and auto_picks_tma(hopper_dim, causal, extras, mask_expr))):
         # auto: only the tuned tile measured faster; the fallback tiles run when asked for
         tm = _hopper_tile("tma", hopper_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")
@@ -279,15 +290,14 @@ def shipped_variants(dtypes=("fp16", "bf16"), head_dims=SUPPORTED_HEAD_DIMS, sta
                         for partial in (False, True):
                             out.append(Variant(hd, dt, tile.br, tile.bc, tile.warps, st, causal, partial, family=family,
                                                head_dim_valid=valid, **tile.options()))
-                    rules = ((r, e.tile) for (d, s_, r), e in TMA_RULE_TILES.items() if (d, s_) == (valid, st))
-                    for rule, rt in (rules if family == "tma" else ()):  # rule masks have no PARTIAL blocks
-                        # a causal rule mask whose queries see every key (kv_len <= the first row's
-                        # reach) has no CAUSAL blocks: it runs the non-causal variant
-                        for causal in ((False, True) if rule == "causal" else (False,)):
-                            v = Variant(hd, dt, rt.br, rt.bc, rt.warps, st, causal, False, family=family,
-                                        head_dim_valid=valid, **rt.options())
-                            if v not in out:
-                                out.append(v)
+                    # the rule and block tiles (192-row q blocks), every mask feature combination
+                    extra = {e.tile for (d, s_, _), e in TMA_RULE_TILES.items() if (d, s_) == (valid, st)}
+                    extra |= {t for key, t in TMA_BLOCK_TILES.items() if key == (valid, st)}
+                    for rt in (sorted(extra, key=repr) if family == "tma" else ()):
+                        for causal in (False, True):
+                            for partial in (False, True):
+                                out.append(Variant(hd, dt, rt.br, rt.bc, rt.warps, st, causal, partial,
+                                                   family=family, head_dim_valid=valid, **rt.options()))
     return out
 
 
