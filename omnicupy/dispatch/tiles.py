@@ -195,6 +195,13 @@ def _hopper_tile(family: str, head_dim: int, stages: int, q_block_size: int, kv_
 HOPPER_HEAD_DIM_RANGES = "40..64, 104..128, 136..256"
 
 
+def _three_warpgroups_allowed(arch: Optional[str], family: str, extras: bool, mask_expr: Optional[tuple]) -> bool:
+    """The conditions of TMA_RULE_TILES and TMA_BLOCK_TILES: sm_90, OMNICUPY_MMA (``family``)
+    allowing the tma family, nothing per score (their consumers have 160 registers)."""
+    return (not extras and mask_expr is None and family in ("auto", "tma") and arch is not None
+            and has_wgmma(arch))
+
+
 def rule_tile(rule: str, head_dim: int, stages: Optional[int], kv_len: int, arch: Optional[str], extras: bool = False,
               mask_expr: Optional[tuple] = None, family: Optional[str] = None) -> Optional[Tile]:
     """The tile a rule mask (BlockMask.rule) of ``kv_len`` keys is planned on, or None: its
@@ -202,8 +209,7 @@ def rule_tile(rule: str, head_dim: int, stages: Optional[int], kv_len: int, arch
     unpadded head dim with nothing per score."""
     valid = check_head_dim(head_dim)
     stages = DEFAULT_STAGES[tile_head_dim(valid)] if stages is None else stages
-    family = family or env.mma_family()
-    if extras or mask_expr is not None or family not in ("auto", "tma") or arch is None or not has_wgmma(arch):
+    if not _three_warpgroups_allowed(arch, family or env.mma_family(), extras, mask_expr):
         return None
     entry = TMA_RULE_TILES.get((valid, stages, rule))
     return entry.tile if entry is not None and kv_len >= entry.min_kv_len else None
@@ -239,11 +245,11 @@ def select_variant(head_dim: int, dtype: str, stages: Optional[int], q_block_siz
     family = family or env.mma_family()
     hopper = arch is not None and has_wgmma(arch)
     hopper = hopper and hopper_dim is not None
-    plain = hopper and family in ("auto", "tma") and not extras and mask_expr is None
-    for rt in (rule_tile, TMA_BLOCK_TILES.get((valid, stages)) if plain else None):
-        if rt is not None and hopper and q_block_size % rt.br == 0 and kv_block_size % rt.bc == 0:
-            return Variant(hopper_dim, dtype, rt.br, rt.bc, rt.warps, stages, causal, partial, bias, mask_expr,
-                           score_expr, family="tma", head_dim_valid=valid, **rt.options())
+    if hopper and _three_warpgroups_allowed(arch, family, extras, mask_expr):
+        for rt in (rule_tile, TMA_BLOCK_TILES.get((valid, stages))):
+            if rt is not None and q_block_size % rt.br == 0 and kv_block_size % rt.bc == 0:
+                return Variant(hopper_dim, dtype, rt.br, rt.bc, rt.warps, stages, causal, partial, bias, mask_expr,
+                               score_expr, family="tma", head_dim_valid=valid, **rt.options())
     if hopper and (family == "tma" or (family == "auto" and auto_picks_tma(hopper_dim, causal, extras, mask_expr))):
         # auto: only the tuned tile measured faster; the fallback tiles run when asked for
         tm = _hopper_tile("tma", hopper_dim, stages, q_block_size, kv_block_size, fallbacks=family == "tma")

@@ -35,9 +35,6 @@ from .forward import Extras, _bias_fields, _element_strides, resolve_mask, stead
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
-#: Warps per CTA of the row kernels; rows per CTA: Variant.row_kernel_rows (both dispatch/variant.py).
-ROW_WARPS = BWD_ROW_WARPS
-
 
 @dataclass(frozen=True)
 class BackwardExtras(Extras):
@@ -242,7 +239,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
-    row_block, rows = (32 * ROW_WARPS, 1, 1), variant.row_kernel_rows
+    row_block, rows = (32 * BWD_ROW_WARPS, 1, 1), variant.row_kernel_rows  # both from dispatch/variant.py
     launches = [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
                 KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
                 KernelLaunch(convert, (cdiv(Nq, rows), Hq, B), row_block)]
