@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import _cases, _systems  # noqa: E402
 from omnicupy.dispatch import tiles  # noqa: E402
+from omnicupy.ops import recall  # noqa: E402
 
 
 def parse_tile(text: str) -> tiles.BwdTile:
@@ -111,6 +112,10 @@ def main(argv=None) -> int:
                     ms = time_ms(lambda: omnicupy.attention(q, k, v, bm))
                     print(f"{label}  forward {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
                 for tile in candidates[hd]:
+                    # The steady state keeps each call's launch on the mask (ops/recall.py), keyed
+                    # by the call, not by the tile tables: without this every tile after the first
+                    # would time the first one's kernel.
+                    recall.store_of(bm).clear()
                     with tiles_override(hd, tile, args.family):
                         for det in ([False, True] if args.det else [False]):
                             def run():

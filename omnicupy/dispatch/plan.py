@@ -136,7 +136,8 @@ def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block
     passes = tile_dim // min(tile_dim, 128) if variant.family == "sync" else 1
     if variant.family == "wgmma":
         reason = (f"backward wgmma ({'OMNICUPY_BWD=wgmma' if env.backward_family() == 'wgmma' else 'WGMMA_BWD_AUTO_HEAD_DIMS'}"
-                  f" on sm_90): kv tiles of {variant.bc} rows, {variant.bc // 64} consumer warpgroup(s), walking q "
+                  f" on sm_90): kv tiles of {variant.bc} rows, {variant.bc // 64} consumer warpgroup(s)"
+                  f"{' and a producer warpgroup (loads, dQ adds)' if variant.warp_specialized else ''}, walking q "
                   f"tiles of {variant.br}")
     else:
         wanted = tiles.backward_family(head_dim, arch)

@@ -348,10 +348,13 @@ BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
 BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4), BwdTile(64, 32, 2), BwdTile(32, 32, 2),
                       BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1), BwdTile(16, 32, 2, stages=1))
 
-#: The wgmma backward (sm_90a, kernels/bwd_wgmma.cuh): head_dim -> tile. One consumer warpgroup
-#: owning 64 kv rows, q tiles of 64 rows (FlashAttention-3's structure, first version).
-#: BwdTile(64, 128, 8) (two consumer warpgroups, dQ columns split between them) builds at D = 128.
-WGMMA_BACKWARD_TILES: dict[int, BwdTile] = {64: BwdTile(64, 64, 4), 128: BwdTile(64, 64, 4)}
+#: The wgmma backward (sm_90a): head_dim -> tile, q tiles of 64 rows. D = 64: one consumer
+#: warpgroup owning 64 kv rows (kernels/bwd_wgmma.cuh), three CTAs per SM. D = 128: the
+#: warp-specialized kernel (kernels/bwd_ws.cuh), 12 warps: two consumer warpgroups owning 128 kv
+#: rows and a producer warpgroup that loads Q/dO and adds dQ. Measured on the H200 against
+#: BwdTile(64, 64, 4) (NOTES.md §31, B = 2, H = 16, N = 8192): 1.0-1.05x atomic on every mask,
+#: 1.3-1.4x in deterministic mode. BwdTile(64, 128, 8) (two warpgroups, no producer) also builds.
+WGMMA_BACKWARD_TILES: dict[int, BwdTile] = {64: BwdTile(64, 64, 4), 128: BwdTile(64, 128, 12)}
 #: Head dims for which OMNICUPY_BWD=auto picks the wgmma backward on sm_90. Measured on the H200
 #: (BENCHMARKS.md, fp16, B = 2, H = 16, N = 8192, 8 masks): 1.26-1.43x the mma.sync backward at
 #: D = 64 and 1.24-1.34x at D = 128, on every mask.
@@ -380,13 +383,23 @@ def backward_family(head_dim: int, arch: Optional[str]) -> str:
     return wanted
 
 
-def _wgmma_backward_tile(head_dim: int, q_block_size: int, kv_block_size: int, arch: Optional[str]) -> Optional[BwdTile]:
+#: For kv blocks the tuned wgmma tile does not divide (64-row kv blocks at D = 128), and for calls
+#: with a bias or a score modifier: per-score work on top of the warp-specialized consumers' 224
+#: registers spilled 144-292 bytes (unmeasured on a GPU), so those keep the plain kernel.
+WGMMA_BACKWARD_FALLBACK = BwdTile(64, 64, 4)
+
+
+def _wgmma_backward_tile(head_dim: int, q_block_size: int, kv_block_size: int, arch: Optional[str],
+                         extras: bool = False) -> Optional[BwdTile]:
     tile = WGMMA_BACKWARD_TILES.get(head_dim)
     if tile is None or arch is None or not has_wgmma(arch):
         return None
-    if q_block_size % tile.br or kv_block_size % tile.bc:
-        return None
-    return tile
+    if extras:
+        tile = WGMMA_BACKWARD_FALLBACK
+    for candidate in (tile, WGMMA_BACKWARD_FALLBACK):
+        if q_block_size % candidate.br == 0 and kv_block_size % candidate.bc == 0:
+            return candidate
+    return None
 
 
 def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_block_size: int, causal: bool,
@@ -399,7 +412,8 @@ def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_blo
     ``arch``), else the first fallback that does."""
     valid = check_head_dim(head_dim)
     if (family or backward_family(valid, arch)) == "wgmma":
-        tile = _wgmma_backward_tile(valid, q_block_size, kv_block_size, arch)
+        tile = _wgmma_backward_tile(valid, q_block_size, kv_block_size, arch,
+                                    extras=bias is not None or score_expr is not None)
         if tile is not None:
             return backward_variant(tile, valid, dtype, causal, partial, bias, mask_expr, score_expr, score_grad,
                                     family="wgmma")

@@ -65,6 +65,12 @@ WGMMA_HEAD_DIMS = (64, 128, 256)  # the 128-byte swizzle works in 64-column bloc
 WGMMA_BC = (32, 64, 128, 256)  # kv tile widths with a wgmma shape (tools/gen_wgmma_ops.py)
 #: Head dims of the wgmma backward (kernels/bwd_wgmma.cuh); 256 stays on mma.sync.
 WGMMA_BWD_HEAD_DIMS = (64, 128)
+#: The warp-specialized wgmma backward (kernels/bwd_ws.cuh): a producer warpgroup (two loader
+#: warps and a dQ writer warp) beside two consumer warpgroups (bc = 128), and its shared memory
+#: beyond the plain kernel's: the q tile's fp32 dQ staging, a second dSᵀ buffer, 8 mbarrier slots
+#: of 8 bytes.
+WS_BWD_PRODUCER_WARPS = 4
+WS_BWD_BARRIER_BYTES = 64
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
 #: tma family: the producer warpgroup's warps (one thread issues the loads), and the shared memory
 #: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
@@ -171,8 +177,9 @@ class Variant:
             # The warps split the rows of the tile they own: q rows in the forward, kv rows
             # (bc) in the backward, whose CTA owns a kv tile and walks q tiles of br rows.
             rows, label = (self.bc, "bc") if self.operation == "backward" else (self.br, "br")
-            # tma: warps counts the producer warpgroup too; its own check below
-            if self.warps < 1 or (self.family != "tma" and rows % (16 * self.warps)):
+            # tma and the warp-specialized backward: warps counts the producer warpgroup too; their
+            # own checks below
+            if self.warps < 1 or (self.family != "tma" and not self.warp_specialized and rows % (16 * self.warps)):
                 raise VariantError(f"{label}={rows} must be a multiple of 16 * warps ({self.warps})")
             if self.operation == "backward" and self.br % 16:
                 raise VariantError(f"backward: br={self.br} must be a multiple of 16")
@@ -215,9 +222,13 @@ class Variant:
         columns split into whole 64-column swizzle blocks per warpgroup."""
         groups = self.bc // 64
         if (self.head_dim not in WGMMA_BWD_HEAD_DIMS or self.br != 64 or self.bc not in (64, 128)
-                or self.warps != 4 * groups or self.stages != 2 or (self.head_dim // groups) % 64):
+                or self.warps not in (4 * groups, 4 * groups + WS_BWD_PRODUCER_WARPS) or self.stages != 2
+                or ((self.head_dim // groups) % 64 and not self.warp_specialized)
+                or (self.warp_specialized and groups != 2)):
             raise VariantError(f"wgmma backward: head_dim in {WGMMA_BWD_HEAD_DIMS}, br=64, bc 64 or 128 with 4 warps "
-                               f"per 64 kv rows, stages=2, and head_dim / (bc / 64) a multiple of 64; got "
+                               f"per 64 kv rows (plus {WS_BWD_PRODUCER_WARPS} producer warps when warp-specialized, "
+                               f"with bc=128), "
+                               f"stages=2, and head_dim / (bc / 64) a multiple of 64; got "
                                f"head_dim={self.head_dim} br={self.br} bc={self.bc} warps={self.warps} "
                                f"stages={self.stages}")
 
@@ -305,6 +316,12 @@ class Variant:
         return 32 * self.warps
 
     @property
+    def warp_specialized(self) -> bool:
+        """wgmma backward: a producer warpgroup beside the bc / 64 consumer warpgroups (kernels/bwd_ws.cuh)."""
+        return (self.operation == "backward" and self.family == "wgmma"
+                and self.warps == self.bc // 16 + WS_BWD_PRODUCER_WARPS)
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the Q tile plus the kv tiles.
 
@@ -318,9 +335,14 @@ class Variant:
         if self.family == "tma":
             return self._tma_tiles_bytes + (self._tma_staging_bytes if self.persistent else 0)
         if self.operation == "backward" and self.family == "wgmma":
-            # kernels/bwd_wgmma.cuh smem_bytes(): swizzled K, V, Q/dO stages; dSᵀ padded; LSE, delta
+            # kernels/bwd_wgmma.cuh Smem: swizzled K, V, Q/dO stages; dSᵀ padded (two buffers when
+            # warp-specialized); LSE, delta; then the warp-specialized kernel's dQ staging and mbarriers
+            ws = self.warp_specialized
+            groups = self.bc // 64
+            stagings = groups if (self.head_dim // groups) % 64 else 1  # Shape::kDqStagings (dQ over own kv rows)
             return (SWIZZLE_ATOM_BYTES + (2 * self.bc + 2 * self.stages * self.br) * self.head_dim * 2
-                    + self.bc * (self.br + SMEM_PAD_ELEMS) * 2 + 2 * self.stages * self.br * 4)
+                    + (2 if ws else 1) * self.bc * (self.br + SMEM_PAD_ELEMS) * 2 + 2 * self.stages * self.br * 4
+                    + (stagings * self.br * self.head_dim * 4 + WS_BWD_BARRIER_BYTES if ws else 0))
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2

@@ -1,0 +1,401 @@
+// The wgmma backward, warp-specialized (sm_90a): the products and per-score code of
+// kernels/bwd_wgmma.cuh, with the loads and the dQ adds taken off the consumers.
+//
+// One CTA owns kBc kv rows of one (batch, kv head), 64 per consumer warpgroup, and walks the q
+// tiles that attend to them, as bwd_wgmma.cuh does. Its warpgroups:
+//
+//   producer (warpgroup 0, registers given to the consumers)
+//     warps 0, 2  loaders: K and V once, then per q tile Q, dO, LSE and delta into a two-deep
+//             ring (cp.async into the 128-byte swizzled layout; after its copies land each thread
+//             fences them for the async proxy and arrives on the stage's "full" mbarrier)
+//     warp 1  dQ writer: per q tile, once the consumers have staged dQ (fp32, the accumulator's
+//             tile layout, kernels/dq_tiles.cuh), adds it to the workspace with bulk reductions
+//             and frees the staging buffer when they have read it; deterministic mode waits for
+//             the q tile's turn here, so the consumers never spin
+//   consumers (warpgroups 1 ..): per q tile
+//     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ, dV += Pᵀ dO, dSᵀ, dK += dSᵀ Q    (bwd_wgmma.cuh's order)
+//     dSᵀ to one of two shared buffers, one named barrier among the consumers
+//     Q/dO stage released ("empty") once dK and dV have read it
+//     dQ = dS K, staged once the writer has read the previous q tile's, "dQ full"
+//
+// So a consumer waits on three things per q tile: its stage's data, the other consumers' dSᵀ, and
+// (rarely) the writer's reads of the previous dQ. The single-warpgroup kernel waited on its own
+// copies, three CTA barriers and the previous tile's reductions (NOTES.md §23).
+//
+// Every mbarrier completes once per q tile (kv_full once per CTA): the q-tile counter n gives the
+// stage (n % 2) and each barrier's parity. Producer and consumers walk the same q tiles
+// (bwd::next_q_tile, each its own copy of the walk), so their counts agree.
+#pragma once
+#include "bwd_wgmma.cuh"
+#include "tma.cuh"
+
+namespace omni {
+namespace bwd_ws {
+
+using bwd::QTile;
+
+// Registers: every thread starts with the launch bounds' 168 (65536 / 384, rounded down to 8),
+// then the producer warpgroup gives back down to kProducer and the consumers take kConsumer. The
+// consumers can only take what the producer gave: the CTA's registers are fixed at launch (at
+// 128 x 32 + 256 x 240 = 65536, 1024 over the CTA's 64512, the consumers waited forever on small
+// grids). No split of those 64512 leaves both sides spill-free: at 56 / 224 the loaders spill
+// 12-16 bytes and the consumers 8-20 (20-44 per kernel); 40 / 232 spilled 56-72, 72 / 216 over 180.
+template <int kConsumerGroups>
+struct Registers {
+  static constexpr int kThreads = 128 * (kConsumerGroups + 1);
+  static constexpr int kEntry = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducer = 56;
+  static constexpr int kConsumer = 224;
+  static_assert(kConsumerGroups == 2, "tuned for two consumer warpgroups (dispatch/variant.py)");
+  static_assert(128 * kProducer + 128 * kConsumerGroups * kConsumer <= kThreads * kEntry,
+                "the consumers take only what the producer gives back");
+};
+
+// Shared memory addresses (bwd_wgmma::Smem's warp-specialized layout, in that order).
+template <class C>
+struct Layout {
+  using S = bwd_wgmma::Shape<C>;
+  u32 k, v, q, dout, dq, ds, bars;
+  u16* ds_ptr;
+  float* lse;    // [2][kBr], log2 units
+  float* delta;  // [2][kBr]
+
+  __device__ __forceinline__ explicit Layout(unsigned char* raw) {
+    const u32 base = smem_u32(raw);
+    k = (base + wgmma::kAtomBytes - 1) & ~static_cast<u32>(wgmma::kAtomBytes - 1);
+    v = k + S::kKvBytes;
+    q = v + S::kKvBytes;                  // [2] Q tiles
+    dout = q + C::kStages * S::kQBytes;   // [2] dO tiles
+    dq = dout + C::kStages * S::kQBytes;  // [kDqStagings] the q tile's dQ, kHeadDim / 64 tiles of dq_tiles::kFloats
+    ds = dq + S::kDqStagings * C::kBr * C::kHeadDim * 4;  // [2][kBc][kLdS] dSᵀ
+    ds_ptr = reinterpret_cast<u16*>(raw + (ds - base));
+    lse = reinterpret_cast<float*>(ds_ptr + 2 * C::kBc * S::kLdS);
+    delta = lse + C::kStages * C::kBr;
+    bars = smem_u32(delta + C::kStages * C::kBr);
+  }
+  __device__ __forceinline__ u32 q_full(int s) const { return bars + 8 * s; }
+  __device__ __forceinline__ u32 q_empty(int s) const { return bars + 16 + 8 * s; }
+  __device__ __forceinline__ u32 kv_full() const { return bars + 32; }
+  __device__ __forceinline__ u32 dq_full() const { return bars + 40; }
+  __device__ __forceinline__ u32 dq_empty() const { return bars + 48; }
+};
+
+// kRows rows of the head dim from sequence position row0 into the swizzled layout at `dst`, by the
+// kLanes loader threads (t: this one's index among them); rows at or past `len` are zero-filled.
+// Thread t copies chunk t % kChunks of rows t / kChunks + i * kRowStep: consecutive threads read
+// consecutive chunks, and the global address of pass i is one add from the first. (One warp
+// copying a q tile chunk by chunk, each address formed in full, issued for longer than the
+// consumers took per q tile: the kernel ran at half speed, NOTES.md §31.)
+template <int kRows, int kChunks, int kLanes>
+__device__ __forceinline__ void load_tile(u32 dst, const u16* src, i64 row_stride, int row0, int len, int t) {
+  constexpr int kRowStep = kLanes / kChunks;
+  static_assert(kLanes % kChunks == 0 && kRows % kRowStep == 0, "whole rows per pass");
+  const int r = t / kChunks, ch = t % kChunks;
+  const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
+#pragma unroll 2
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const int row = r + i * kRowStep;
+    const bool valid = row0 + row < len;
+    cp_async_16(dst + wgmma::chunk_offset(kRows, row, ch), valid ? from + i * kRowStep * row_stride : src, valid);
+  }
+}
+
+// This lane's copies have landed; made visible to the async proxy (wgmma) before the arrival
+// that publishes them. (wait_group waits for committed groups only: commit first.)
+__device__ __forceinline__ void publish(u32 bar) {
+  cp_async_commit();
+  cp_async_wait<0>();
+  wgmma::fence_proxy_async();
+  tma::arrive(bar);
+}
+
+// ---------------------------------------------------------------- producer warps
+// The loader threads: kLoadLanes of them (warps 0 and 2 of the producer warpgroup), t their index.
+// One warp alone issued too slowly (the backward ran at half speed); three measured no faster than
+// two (NOTES.md §31).
+enum : int { kLoadLanes = 64 };
+
+template <class C, bool kDeterministic, class P>
+__device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int t) {
+  using S = bwd_wgmma::Shape<C>;
+  constexpr int kBr = C::kBr;
+  load_tile<C::kBc, S::kChunks, kLoadLanes>(sm.k, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, p.kv_len, t);
+  load_tile<C::kBc, S::kChunks, kLoadLanes>(sm.v, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, p.kv_len, t);
+  bool kv_published = false;
+  QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
+  for (int n = 0; tile.g < p.kv_group; ++n) {
+    const int s = n & 1;
+    tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
+    const int head = hk * p.kv_group + tile.g;
+    load_tile<kBr, S::kChunks, kLoadLanes>(sm.q + s * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh, p.q_sn, tile.q0,
+                                           p.q_len, t);
+    load_tile<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn,
+                                           tile.q0, p.q_len, t);
+    bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
+    if (!kv_published) {
+      publish(sm.kv_full());
+      kv_published = true;
+    }
+    publish(sm.q_full(s));
+    tile = bwd::next_q_tile<C>(p, batch, hk, kv0, tile.g, tile.slot, tile.tile + 1, kDeterministic);
+  }
+  cp_async_commit();  // a kv tile that no q tile sees: its K and V land before the CTA ends
+  cp_async_wait<0>();
+}
+
+template <class C, bool kDeterministic, class P>
+__device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int lane) {
+  using S = bwd_wgmma::Shape<C>;
+  constexpr int kBr = C::kBr, kBlocks = C::kHeadDim / dq_tiles::kCols;
+  const int kv_block = kv0 / p.kv_block_size, kv_in_block = kv0 - kv_block * p.kv_block_size;
+  QTile t = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
+  for (int n = 0; t.g < p.kv_group; ++n) {
+    tma::wait(sm.dq_full(), n & 1);
+    if (lane == 0) {
+      const int head = hk * p.kv_group + t.g;
+      const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
+      int* sem = nullptr;
+      int turn = 0;
+      if (kDeterministic) {
+        sem = bwd::dq_semaphore<kBr, C::kBc, 1>(p, batch, head, bh, kv_block, kv_in_block, t, 0, turn);
+        while (bwd::load_acquire(sem) != turn) {
+        }
+        fence_proxy_async_global();  // our bulk reductions (async proxy) after the ones acquired
+      }
+      float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh, p.q_len_pad, t.q0 / kBr, 0);
+#pragma unroll
+      for (int part = 0; part < S::kDqStagings; ++part) {  // each consumer warpgroup's rows (kDqOwnRows)
+        if (kDeterministic && part > 0) bulk_wait<0>();       // the same addresses: in a fixed order
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+          bulk_reduce_add_f32(dst + b * dq_tiles::kFloats, sm.dq + (part * kBlocks + b) * dq_tiles::kFloats * 4,
+                              dq_tiles::kFloats * 4);
+        bulk_commit();
+      }
+      if (kDeterministic) {  // complete and visible before the next kv tile's turn
+        bulk_wait<0>();
+        fence_proxy_async_global();
+        __threadfence();
+        bwd::store_release(sem, turn + 1);
+      } else {
+        bulk_wait_read<0>();
+      }
+      tma::arrive(sm.dq_empty());
+    }
+    __syncwarp();
+    t = bwd::next_q_tile<C>(p, batch, hk, kv0, t.g, t.slot, t.tile + 1, kDeterministic);
+  }
+  if (lane == 0) bulk_wait<0>();  // the last reductions, before the CTA's shared memory goes
+}
+
+// ---------------------------------------------------------------- consumer warpgroups
+template <class C, class F, bool kDeterministic, class P>
+__device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int tid) {
+  using S = bwd_wgmma::Shape<C>;
+  using T = typename C::T;
+  using bwd_wgmma::hold;
+  using bwd_wgmma::issue_regs_rows;
+  using bwd_wgmma::issue_rows_rows;
+  constexpr int kBr = C::kBr, kBc = C::kBc, kLdS = S::kLdS, kNT = S::kNT;
+  constexpr int kConsumerBarrier = 1;  // named barrier of the consumer threads (0 is __syncthreads)
+
+  const int ctid = tid - 128, warp = ctid / 32, lane = ctid % 32;  // among the consumers
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);     // warp-uniform: descriptors in uniform registers
+  const int group = p.kv_group;
+  const int warp_row0 = warp * 16;  // this warp's first kv row within the tile
+
+  const u64 k_a = wgmma::descriptor(sm.k + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
+  const u64 v_a = wgmma::advance(k_a, S::kKvBytes);
+  const u64 q_kmaj0 = wgmma::descriptor(sm.q, 16, wgmma::kAtomBytes);
+  const u64 do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
+  const u64 q_nmaj0 = wgmma::descriptor(sm.q, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const u64 do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
+  const u64 k_nmaj = wgmma::descriptor(sm.k, kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ
+  const u32 ds_a = smem_u32(sm.ds_ptr + ((lane / 16) * 8 + lane % 8) * kLdS + ((lane / 8) % 2) * 8 + m0);
+
+  float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < S::kDTiles; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_dk[dt][i] = acc_dv[dt][i] = 0.f;
+
+  const int kv_block = kv0 / p.kv_block_size;
+  const int kv_in_block = kv0 - kv_block * p.kv_block_size;
+  const bool kv_tail = kv0 + kBc > p.kv_len;
+
+  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
+  if (cur.g < group) tma::wait(sm.kv_full(), 0);
+  for (int n = 0; cur.g < group; ++n) {
+    const int s = n & 1;
+    tma::wait(sm.q_full(s), (n >> 1) & 1);
+    const int head = hk * group + cur.g;
+    const int q0 = cur.q0;
+    const u32 buf_off = s * S::kQBytes;
+    const float* lse_s = sm.lse + s * kBr;
+    const float* delta_s = sm.delta + s * kBr;
+
+    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
+    float acc_s[1][kNT][4], acc_dp[1][kNT][4];
+    const auto issue_dp = [&] {
+      issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
+      wgmma::commit();
+    };
+    wgmma::fence();
+    issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_s[0], k_a, wgmma::advance(q_kmaj0, buf_off));
+    wgmma::commit();
+    if constexpr (S::kOverlapDp) {
+      issue_dp();
+      wgmma::wait<1>();  // Sᵀ only
+    } else {
+      wgmma::wait<0>();
+    }
+    wgmma::pin(acc_s[0]);
+
+    // ---- Pᵀ (bwd_common.cuh), packed for dV; acc_s keeps Pᵀ ∘ score_mod' for dSᵀ ----
+    const bwd::ScoreTile<C> st = bwd::score_tile<C>(p, cur, batch, head, kv0, kv_block);
+    u32 p_t[1][S::kQSteps][4];
+    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
+      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
+      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
+    };
+    if (st.plain(kv_tail)) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4];
+        const float one[4] = {1.f, 1.f, 1.f, 1.f};
+        bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
+        finish(nt, pf, one);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4], g[4];
+        bwd::masked_probs<C, F>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block, warp_row0, lse_s,
+                                nt, lane / 4, (lane % 4) * 2);
+        finish(nt, pf, g);
+      }
+    }
+
+    // ---- dV += Pᵀ dO ----
+    wgmma::fence();
+    if constexpr (!S::kOverlapDp) issue_dp();
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(do_nmaj0, buf_off));
+    wgmma::commit();
+
+    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
+    wgmma::wait<1>();
+    wgmma::pin(acc_dp[0]);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float d = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
+        acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);
+      }
+    u32 ds_t[1][S::kQSteps][4];
+    pack_a<T>(ds_t, acc_dp);
+
+    // ---- dK += dSᵀ Q; dSᵀ to this tile's buffer for dQ ----
+    wgmma::fence();
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
+    wgmma::commit();
+    const u32 ds_off = s * kBc * kLdS * 2;
+    bwd::store_ds_rows<kLdS>(sm.ds_ptr + s * kBc * kLdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
+    // dSᵀ complete for dQ (this warpgroup's rows when kDqOwnRows, else every consumer's). Two
+    // buffers: the one written next (tile n + 1) was last read by the ldmatrix of tile n - 1, before
+    // each reader arrived here for tile n.
+    if constexpr (S::kDqOwnRows) {
+      tma::named_sync(kConsumerBarrier + warpgroup, 128);
+    } else {
+      tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
+    }
+    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, kDeterministic);
+    wgmma::wait<0>();
+    hold(p_t[0]);
+    hold(ds_t[0]);
+    wgmma::pin(acc_dk);
+    wgmma::pin(acc_dv);
+    tma::arrive(sm.q_empty(s));  // Q, dO, LSE and delta of stage s are no longer read
+
+    // ---- dQ = dS K, staged for the dQ writer: over every kv row for this warpgroup's columns, or
+    // (kDqOwnRows) over this warpgroup's kv rows for every column, in a staging of its own ----
+    constexpr int kSteps = S::kDqOwnRows ? 64 / 16 : S::kKvSteps;             // k16 steps over kv rows
+    constexpr int kCols = S::kDqOwnRows ? C::kHeadDim : S::kDqCols;           // columns per warpgroup
+    constexpr int kN = kCols < 64 ? kCols : 64;                               // columns per dQ wgmma
+    const int row0 = S::kDqOwnRows ? warpgroup * 64 : 0;                       // first kv row contracted
+    const u32 staging = sm.dq + (S::kDqOwnRows ? warpgroup * kBr * C::kHeadDim * 4 : 0);
+    u32 a_ds[kSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + ds_off + (row0 + kk * 16) * kLdS * 2);
+#pragma unroll
+    for (int chunk = 0; chunk < kCols; chunk += kN) {
+      const int col = (S::kDqOwnRows ? 0 : warpgroup * kCols) + chunk;  // first dQ column of this wgmma
+      float acc_dq[kN / 8][4];
+#pragma unroll
+      for (int dt = 0; dt < kN / 8; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
+      wgmma::fence();
+      issue_regs_rows<kN, kSteps, T>(acc_dq, a_ds,
+                                     wgmma::advance(k_nmaj, ((col / wgmma::kBlockCols) * kBc + row0) * wgmma::kSwizzleBytes));
+      wgmma::commit();
+      if (chunk == 0) tma::wait(sm.dq_empty(), (n & 1) ^ 1);  // the writer has read tile n - 1's dQ
+      wgmma::wait<0>();
+      wgmma::pin(acc_dq);
+      hold(a_ds);
+      const int block = col / dq_tiles::kCols;
+      bwd_wgmma::stage_dq(staging + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4, (lane % 4) * 2);
+    }
+    wgmma::fence_proxy_async();  // the staged rows (generic stores) are read by the async proxy
+    tma::arrive(sm.dq_full());
+    cur = nxt;
+  }
+
+  // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
+  bwd::store_dk_dv_rows<S::kDTiles, C::kHeadDim, C::kHeadDim, T>(p, batch, hk, kv0 + warp_row0, 0, acc_dk, acc_dv,
+                                                                 lane / 4, (lane % 4) * 2);
+}
+
+// ================================================================ the kernel body
+template <class C, class F, bool kDeterministic, class P>
+__device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
+  using S = bwd_wgmma::Shape<C>;
+  using R = Registers<S::kWarpgroups>;
+  static_assert(S::kWarpSpecialized, "a producer warpgroup and kBc / 64 consumer warpgroups");
+  const Layout<C> sm(smem_raw);
+  const int tid = threadIdx.x, warp = tid / 32;
+  // Deterministic: the last kv tile first, in groups of heads (bwd_common.cuh, deterministic_cta).
+  const bwd::Cta cta = kDeterministic ? bwd::deterministic_cta(1)
+                                      : bwd::Cta{static_cast<int>(blockIdx.x), 0, static_cast<int>(blockIdx.y),
+                                                 static_cast<int>(blockIdx.z)};
+  const int kv0 = cta.kv_tile * C::kBc;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      tma::barrier_init(sm.q_full(s), kLoadLanes);            // every loader thread, its copies landed
+      tma::barrier_init(sm.q_empty(s), S::kConsumerThreads);  // every consumer thread
+    }
+    tma::barrier_init(sm.kv_full(), kLoadLanes);
+    tma::barrier_init(sm.dq_full(), S::kConsumerThreads);
+    tma::barrier_init(sm.dq_empty(), 1);  // the writer's lane 0, its reductions' reads done
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  if (warp < 4) {
+    tma::release_registers<R::kProducer>();
+    if (warp == 0 || warp == 2) {
+      load_warp<C, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, (warp / 2) * 32 + tid % 32);
+    } else if (warp == 1) {
+      dq_warp<C, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, tid % 32);
+    }
+    return;
+  }
+  tma::claim_registers<R::kConsumer>();
+  consume<C, F, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, tid);
+}
+
+}  // namespace bwd_ws
+}  // namespace omni
