@@ -52,13 +52,6 @@ struct Shape {
   // kernel). Enumerators: static constexpr members become device symbols of every cubin that
   // includes this header, and this kernel's cubins stay byte-identical without them.
   enum : int { kConsumerThreads = kWarpgroups * 128, kWarpSpecialized = C::kWarps == C::kBc / 16 + 4 };
-  // Warp-specialized, where the head dim does not split into whole 64-column blocks per warpgroup
-  // (D = 64): each consumer warpgroup computes dQ over its own 64 kv rows for every column, staged
-  // apart, and the dQ writer adds both (no dSᵀ crosses warpgroups). Else dQ's columns are split.
-#ifndef OMNI_WS_OWN_ROWS
-#define OMNI_WS_OWN_ROWS ((C::kHeadDim / kWarpgroups) % 64 != 0)
-#endif
-  enum : int { kDqOwnRows = kWarpSpecialized && (OMNI_WS_OWN_ROWS), kDqStagings = kDqOwnRows ? kWarpgroups : 1 };
   static constexpr int kNT = C::kBr / 8;                   // n8 tiles of Sᵀ / dPᵀ (q columns)
   static constexpr int kDTiles = C::kHeadDim / 8;          // n8 tiles of dK / dV
   static constexpr int kKSteps = C::kHeadDim / 16;         // k16 steps of Sᵀ, dPᵀ (head dim)
@@ -78,22 +71,22 @@ struct Shape {
   static_assert(C::kBc % 64 == 0 && (C::kWarps == C::kBc / 16 || kWarpSpecialized),
                 "one consumer warpgroup per 64 kv rows (and one producer warpgroup when warp-specialized)");
   static_assert(C::kHeadDim % wgmma::kBlockCols == 0, "the 128-byte swizzle needs the head dim in 64-column blocks");
-  static_assert(kDqCols % 64 == 0 || kDqOwnRows, "each warpgroup's dQ columns are whole swizzle column blocks");
+  static_assert(kDqCols % 64 == 0, "each warpgroup's dQ columns are whole swizzle column blocks");
   static_assert(C::kStages == 2, "Q and dO are double-buffered");
   static_assert(kThreads >= C::kBr / 2, "one LSE/delta chunk per thread");
 };
 
 // Shared memory of a variant (dispatch/variant.py Variant.smem_bytes mirrors it): one swizzle atom of
 // alignment slack, K, V, kStages Q and dO tiles, dSᵀ (padded rows), then LSE and delta per stage.
-// Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging (one per consumer
-// warpgroup when kDqOwnRows), a second dSᵀ buffer and the mbarriers (kWsBarriers of 8 bytes).
+// Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging, a second dSᵀ buffer and
+// the mbarriers (kWsBarriers of 8 bytes).
 enum : int { kWsBarriers = 8 };
 template <class C>
 struct Smem {
   using S = Shape<C>;
   static constexpr int kBytes = wgmma::kAtomBytes + 2 * S::kKvBytes + 2 * C::kStages * S::kQBytes +
                                 (S::kWarpSpecialized ? 2 : 1) * C::kBc * S::kLdS * 2 + 2 * C::kStages * C::kBr * 4 +
-                                (S::kWarpSpecialized ? S::kDqStagings * C::kBr * C::kHeadDim * 4 + kWsBarriers * 8 : 0);
+                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + kWsBarriers * 8 : 0);
 };
 
 // ---------------------------------------------------------------- global -> shared, swizzled

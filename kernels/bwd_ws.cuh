@@ -66,8 +66,8 @@ struct Layout {
     v = k + S::kKvBytes;
     q = v + S::kKvBytes;                  // [2] Q tiles
     dout = q + C::kStages * S::kQBytes;   // [2] dO tiles
-    dq = dout + C::kStages * S::kQBytes;  // [kDqStagings] the q tile's dQ, kHeadDim / 64 tiles of dq_tiles::kFloats
-    ds = dq + S::kDqStagings * C::kBr * C::kHeadDim * 4;  // [2][kBc][kLdS] dSᵀ
+    dq = dout + C::kStages * S::kQBytes;  // the q tile's dQ, kHeadDim / 64 tiles of dq_tiles::kFloats
+    ds = dq + C::kBr * C::kHeadDim * 4;   // [2][kBc][kLdS] dSᵀ
     ds_ptr = reinterpret_cast<u16*>(raw + (ds - base));
     lse = reinterpret_cast<float*>(ds_ptr + 2 * C::kBc * S::kLdS);
     delta = lse + C::kStages * C::kBr;
@@ -145,7 +145,6 @@ __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int b
 
 template <class C, bool kDeterministic, class P>
 __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int lane) {
-  using S = bwd_wgmma::Shape<C>;
   constexpr int kBr = C::kBr, kBlocks = C::kHeadDim / dq_tiles::kCols;
   const int kv_block = kv0 / p.kv_block_size, kv_in_block = kv0 - kv_block * p.kv_block_size;
   QTile t = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
@@ -164,14 +163,9 @@ __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int bat
       }
       float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh, p.q_len_pad, t.q0 / kBr, 0);
 #pragma unroll
-      for (int part = 0; part < S::kDqStagings; ++part) {  // each consumer warpgroup's rows (kDqOwnRows)
-        if (kDeterministic && part > 0) bulk_wait<0>();       // the same addresses: in a fixed order
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-          bulk_reduce_add_f32(dst + b * dq_tiles::kFloats, sm.dq + (part * kBlocks + b) * dq_tiles::kFloats * 4,
-                              dq_tiles::kFloats * 4);
-        bulk_commit();
-      }
+      for (int b = 0; b < kBlocks; ++b)
+        bulk_reduce_add_f32(dst + b * dq_tiles::kFloats, sm.dq + b * dq_tiles::kFloats * 4, dq_tiles::kFloats * 4);
+      bulk_commit();
       if (kDeterministic) {  // complete and visible before the next kv tile's turn
         bulk_wait<0>();
         fence_proxy_async_global();
@@ -304,14 +298,10 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     wgmma::commit();
     const u32 ds_off = s * kBc * kLdS * 2;
     bwd::store_ds_rows<kLdS>(sm.ds_ptr + s * kBc * kLdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
-    // dSᵀ complete for dQ (this warpgroup's rows when kDqOwnRows, else every consumer's). Two
-    // buffers: the one written next (tile n + 1) was last read by the ldmatrix of tile n - 1, before
-    // each reader arrived here for tile n.
-    if constexpr (S::kDqOwnRows) {
-      tma::named_sync(kConsumerBarrier + warpgroup, 128);
-    } else {
-      tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
-    }
+    // dSᵀ complete for dQ, which contracts over every consumer's kv rows. Two buffers: the one
+    // written next (tile n + 1) was last read by every consumer's ldmatrix of tile n - 1, before
+    // each of them arrived here for tile n.
+    tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
     const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, kDeterministic);
     wgmma::wait<0>();
     hold(p_t[0]);
@@ -320,34 +310,28 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     wgmma::pin(acc_dv);
     tma::arrive(sm.q_empty(s));  // Q, dO, LSE and delta of stage s are no longer read
 
-    // ---- dQ = dS K, staged for the dQ writer: over every kv row for this warpgroup's columns, or
-    // (kDqOwnRows) over this warpgroup's kv rows for every column, in a staging of its own ----
-    constexpr int kSteps = S::kDqOwnRows ? 64 / 16 : S::kKvSteps;             // k16 steps over kv rows
-    constexpr int kCols = S::kDqOwnRows ? C::kHeadDim : S::kDqCols;           // columns per warpgroup
-    constexpr int kN = kCols < 64 ? kCols : 64;                               // columns per dQ wgmma
-    const int row0 = S::kDqOwnRows ? warpgroup * 64 : 0;                       // first kv row contracted
-    const u32 staging = sm.dq + (S::kDqOwnRows ? warpgroup * kBr * C::kHeadDim * 4 : 0);
-    u32 a_ds[kSteps][4];
+    // ---- dQ = dS K over every consumer's kv rows, this warpgroup's columns; staged for the writer ----
+    u32 a_ds[S::kKvSteps][4];
 #pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + ds_off + (row0 + kk * 16) * kLdS * 2);
+    for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + ds_off + kk * 16 * kLdS * 2);
 #pragma unroll
-    for (int chunk = 0; chunk < kCols; chunk += kN) {
-      const int col = (S::kDqOwnRows ? 0 : warpgroup * kCols) + chunk;  // first dQ column of this wgmma
-      float acc_dq[kN / 8][4];
+    for (int chunk = 0; chunk < S::kDqCols; chunk += S::kDqN) {
+      const int col = warpgroup * S::kDqCols + chunk;  // first dQ column of this wgmma
+      float acc_dq[S::kDqN / 8][4];
 #pragma unroll
-      for (int dt = 0; dt < kN / 8; ++dt)
+      for (int dt = 0; dt < S::kDqN / 8; ++dt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
       wgmma::fence();
-      issue_regs_rows<kN, kSteps, T>(acc_dq, a_ds,
-                                     wgmma::advance(k_nmaj, ((col / wgmma::kBlockCols) * kBc + row0) * wgmma::kSwizzleBytes));
+      issue_regs_rows<S::kDqN, S::kKvSteps, T>(acc_dq, a_ds,
+                                               wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
       wgmma::commit();
       if (chunk == 0) tma::wait(sm.dq_empty(), (n & 1) ^ 1);  // the writer has read tile n - 1's dQ
       wgmma::wait<0>();
       wgmma::pin(acc_dq);
       hold(a_ds);
       const int block = col / dq_tiles::kCols;
-      bwd_wgmma::stage_dq(staging + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4, (lane % 4) * 2);
+      bwd_wgmma::stage_dq(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4, (lane % 4) * 2);
     }
     wgmma::fence_proxy_async();  // the staged rows (generic stores) are read by the async proxy
     tma::arrive(sm.dq_full());

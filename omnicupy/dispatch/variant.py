@@ -223,8 +223,7 @@ class Variant:
         groups = self.bc // 64
         if (self.head_dim not in WGMMA_BWD_HEAD_DIMS or self.br != 64 or self.bc not in (64, 128)
                 or self.warps not in (4 * groups, 4 * groups + WS_BWD_PRODUCER_WARPS) or self.stages != 2
-                or ((self.head_dim // groups) % 64 and not self.warp_specialized)
-                or (self.warp_specialized and groups != 2)):
+                or (self.head_dim // groups) % 64 or (self.warp_specialized and groups != 2)):
             raise VariantError(f"wgmma backward: head_dim in {WGMMA_BWD_HEAD_DIMS}, br=64, bc 64 or 128 with 4 warps "
                                f"per 64 kv rows (plus {WS_BWD_PRODUCER_WARPS} producer warps when warp-specialized, "
                                f"with bc=128), "
@@ -338,11 +337,9 @@ class Variant:
             # kernels/bwd_wgmma.cuh Smem: swizzled K, V, Q/dO stages; dSᵀ padded (two buffers when
             # warp-specialized); LSE, delta; then the warp-specialized kernel's dQ staging and mbarriers
             ws = self.warp_specialized
-            groups = self.bc // 64
-            stagings = groups if (self.head_dim // groups) % 64 else 1  # Shape::kDqStagings (dQ over own kv rows)
             return (SWIZZLE_ATOM_BYTES + (2 * self.bc + 2 * self.stages * self.br) * self.head_dim * 2
                     + (2 if ws else 1) * self.bc * (self.br + SMEM_PAD_ELEMS) * 2 + 2 * self.stages * self.br * 4
-                    + (stagings * self.br * self.head_dim * 4 + WS_BWD_BARRIER_BYTES if ws else 0))
+                    + (self.br * self.head_dim * 4 + WS_BWD_BARRIER_BYTES if ws else 0))
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2
