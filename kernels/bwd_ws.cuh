@@ -233,6 +233,9 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     const float* delta_s = sm.delta + s * kBr;
 
     // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
+    // From here to dK's issue the code is bwd_wgmma.cuh's, line for line. One function for both
+    // kernels changed both kernels' code and measured 2-3 % slower on several masks (NOTES.md
+    // §31): a change to one copy belongs in the other, with its cubins and timings checked.
     float acc_s[1][kNT][4], acc_dp[1][kNT][4];
     const auto issue_dp = [&] {
       issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
