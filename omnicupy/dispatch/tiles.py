@@ -352,8 +352,9 @@ BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4
 #: warpgroup owning 64 kv rows (kernels/bwd_wgmma.cuh), three CTAs per SM. D = 128: the
 #: warp-specialized kernel (kernels/bwd_ws.cuh), 12 warps: two consumer warpgroups owning 128 kv
 #: rows and a producer warpgroup that loads Q/dO and adds dQ. Measured on the H200 against
-#: BwdTile(64, 64, 4) (NOTES.md §31, B = 2, H = 16, N = 8192): 1.0-1.05x atomic on every mask,
-#: 1.3-1.4x in deterministic mode. BwdTile(64, 128, 8) (two warpgroups, no producer) also builds.
+#: BwdTile(64, 64, 4) (NOTES.md §31, B = 2, H = 16, N = 8192, one process): 1.14x on full,
+#: 1.10x on causal, 1.0-1.03x on document and random blocks; 1.33-1.54x in deterministic mode.
+#: BwdTile(64, 128, 8) (two warpgroups, no producer) also builds.
 WGMMA_BACKWARD_TILES: dict[int, BwdTile] = {64: BwdTile(64, 64, 4), 128: BwdTile(64, 128, 12)}
 #: Head dims for which OMNICUPY_BWD=auto picks the wgmma backward on sm_90. Measured on the H200
 #: (BENCHMARKS.md, fp16, B = 2, H = 16, N = 8192, 8 masks): 1.26-1.43x the mma.sync backward at
