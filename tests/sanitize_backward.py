@@ -7,7 +7,8 @@
 Each variant gets a mask with exactly its features (plain: full; causal: causal; partial: random
 full/partial blocks with empty rows; both: a random mix) at odd lengths with GQA, so tails, every
 mask path and the group walk run; the partial variants run deterministic=True as well (the dQ turn
-order). Then, per head dim, the feature variant (bias + softcap). Exits 1 if any gradient is wrong.
+order). Then, per head dim, the feature variants (bias + softcap; softcap alone, which takes the
+warp-specialized kernel at D = 128 on sm_90). Exits 1 if any gradient is wrong.
 CuPy's memory pool is switched off, so that every buffer is its own allocation for memcheck.
 """
 from __future__ import annotations
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
         dense = np.arange(n)[:, None] >= np.arange(n + 5)[None, :]
         bias = rng.standard_normal((1, 2, n, n + 5)).astype(np.float32)
         failures += run(f"hd{hd} bias+softcap", rng, q, k, v, None, dense, "fp16", causal=True, bias=bias,
+                        score_mod=score_mods.softcap(5.0))
+        # a score modifier alone (at D = 128 on sm_90 the warp-specialized kernel, which a bias avoids)
+        failures += run(f"hd{hd} softcap", rng, q, k, v, None, dense, "fp16", causal=True,
                         score_mod=score_mods.softcap(5.0))
     return 1 if failures else 0
 

@@ -91,6 +91,22 @@ def test_warp_specialized_where_the_table_says(monkeypatch, head_dim, qbs, kbs, 
     assert (v.threads, v.smem_bytes) == (threads, smem)
 
 
+# per-score extras at D = 128 -> warp-specialized (score modifiers) or the plain kernel (a bias)
+EXTRAS = [
+    pytest.param({}, True, id="none-ws"),
+    pytest.param(dict(score_expr=("softcap",), score_grad="1.0f"), True, id="score-mod-ws"),
+    pytest.param(dict(bias="fp16"), False, id="bias-plain"),
+    pytest.param(dict(bias="fp32", score_expr=("softcap",), score_grad="1.0f"), False, id="bias-and-score-plain"),
+]
+
+
+@pytest.mark.parametrize("extras,ws", EXTRAS)
+def test_bias_keeps_the_plain_kernel(monkeypatch, extras, ws):
+    monkeypatch.setenv("OMNICUPY_BWD", "wgmma")
+    v = tiles.select_backward_variant(128, "fp16", 128, 128, True, False, arch="sm_90", **extras)
+    assert v.family == "wgmma" and v.warp_specialized == ws
+
+
 @pytest.mark.parametrize("kwargs", [
     pytest.param(dict(head_dim=128, br=64, bc=64, warps=8), id="ws-hd128-bc64"),
     pytest.param(dict(head_dim=256, br=64, bc=64, warps=4), id="hd256"),

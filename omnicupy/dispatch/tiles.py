@@ -385,8 +385,9 @@ def backward_family(head_dim: int, arch: Optional[str]) -> str:
 
 
 #: For kv blocks the tuned wgmma tile does not divide (64-row kv blocks at D = 128), and for calls
-#: with a bias or a score modifier: per-score work on top of the warp-specialized consumers' 224
-#: registers spilled 144-292 bytes (unmeasured on a GPU), so those keep the plain kernel.
+#: with a bias: its loads on top of the warp-specialized consumers' 224 registers spilled 196-292
+#: bytes (unmeasured on a GPU), so those keep the plain kernel. Score modifiers spill too and still
+#: measured 1.12-1.17x faster on the warp-specialized kernel (soft-cap, ALiBi; NOTES.md §31).
 WGMMA_BACKWARD_FALLBACK = BwdTile(64, 64, 4)
 
 
@@ -413,8 +414,7 @@ def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_blo
     ``arch``), else the first fallback that does."""
     valid = check_head_dim(head_dim)
     if (family or backward_family(valid, arch)) == "wgmma":
-        tile = _wgmma_backward_tile(valid, q_block_size, kv_block_size, arch,
-                                    extras=bias is not None or score_expr is not None)
+        tile = _wgmma_backward_tile(valid, q_block_size, kv_block_size, arch, extras=bias is not None)
         if tile is not None:
             return backward_variant(tile, valid, dtype, causal, partial, bias, mask_expr, score_expr, score_grad,
                                     family="wgmma")
