@@ -91,21 +91,36 @@ struct Smem {
 
 // ---------------------------------------------------------------- global -> shared, swizzled
 // kRows rows of the head dim from sequence position row0 into the swizzled layout at shared
-// address `dst`; rows at or past `len` are zero-filled. Thread t copies chunk t % kChunks of rows
-// t / kChunks + i * kRowStep (consecutive threads read consecutive chunks: coalesced). kRowStep
-// is a multiple of the swizzle's 8-row period, so a thread's chunk keeps its swizzled column in
-// every pass: one shared offset per thread, the passes immediate offsets (as the forward's copies).
+// address `dst`, by kThreads copying threads (t: this one's index among them); rows at or past
+// `len` are zero-filled. Thread t copies chunk t % kChunks of rows t / kChunks + i * kRowStep
+// (consecutive threads read consecutive chunks: coalesced), the global address of pass i one add
+// from the first. When kRowStep is a multiple of the swizzle's 8-row period (this kernel's 128
+// threads), a thread's chunk keeps its swizzled column in every pass: one shared offset per
+// thread, the passes immediate offsets (as the forward's copies). Else (the warp-specialized
+// kernel's 64 loader threads, kernels/bwd_ws.cuh) each pass forms its shared offset, two passes
+// unrolled per iteration (its producer's registers are few).
 template <int kRows, int kChunks, int kThreads>
-__device__ __forceinline__ void load_tile_async(u32 dst, const u16* src, i64 row_stride, int row0, int len) {
+__device__ __forceinline__ void load_tile_async(u32 dst, const u16* src, i64 row_stride, int row0, int len, u32 t) {
   constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "whole swizzle atoms per pass");
-  const int r = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
-  const u32 to = dst + wgmma::chunk_offset(kRows, r, ch);
-  const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
+  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "whole rows per pass");
+  if constexpr (kRowStep % 8 == 0) {
+    const int r = t / kChunks, ch = t % kChunks;
+    const u32 to = dst + wgmma::chunk_offset(kRows, r, ch);
+    const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
 #pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    const bool valid = row0 + r + i * kRowStep < len;
-    cp_async_16(to + i * kRowStep * wgmma::kSwizzleBytes, valid ? from + i * kRowStep * row_stride : src, valid);
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const bool valid = row0 + r + i * kRowStep < len;
+      cp_async_16(to + i * kRowStep * wgmma::kSwizzleBytes, valid ? from + i * kRowStep * row_stride : src, valid);
+    }
+  } else {
+    const int r = static_cast<int>(t) / kChunks, ch = static_cast<int>(t) % kChunks;
+    const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
+#pragma unroll 2
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const int row = r + i * kRowStep;
+      const bool valid = row0 + row < len;
+      cp_async_16(dst + wgmma::chunk_offset(kRows, row, ch), valid ? from + i * kRowStep * row_stride : src, valid);
+    }
   }
 }
 
@@ -200,17 +215,17 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int warp_row0 = warp * 16;  // this warp's first kv row within the tile (wgmma: 16 per warp)
 
   // ---- K and V: loaded once ----
-  load_tile_async<kBc, S::kChunks, S::kThreads>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len);
-  load_tile_async<kBc, S::kChunks, S::kThreads>(sV, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, kv_len);
+  load_tile_async<kBc, S::kChunks, S::kThreads>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len, threadIdx.x);
+  load_tile_async<kBc, S::kChunks, S::kThreads>(sV, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, kv_len, threadIdx.x);
   cp_async_commit();
 
   // Q, dO, LSE and delta of one q tile into buffer `buf`.
   const auto load_q_tile = [&](const QTile& t, int buf) {
     const int head = hk * group + t.g;
     load_tile_async<kBr, S::kChunks, S::kThreads>(sQ + buf * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh, p.q_sn,
-                                                  t.q0, q_len);
+                                                  t.q0, q_len, threadIdx.x);
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
-                                                  p.do_sn, t.q0, q_len);
+                                                  p.do_sn, t.q0, q_len, threadIdx.x);
     bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);
     cp_async_commit();
   };

@@ -80,26 +80,6 @@ struct Layout {
   __device__ __forceinline__ u32 dq_empty() const { return bars + 48; }
 };
 
-// kRows rows of the head dim from sequence position row0 into the swizzled layout at `dst`, by the
-// kLanes loader threads (t: this one's index among them); rows at or past `len` are zero-filled.
-// Thread t copies chunk t % kChunks of rows t / kChunks + i * kRowStep: consecutive threads read
-// consecutive chunks, and the global address of pass i is one add from the first. (One warp
-// copying a q tile chunk by chunk, each address formed in full, issued for longer than the
-// consumers took per q tile: the kernel ran at half speed, NOTES.md §31.)
-template <int kRows, int kChunks, int kLanes>
-__device__ __forceinline__ void load_tile(u32 dst, const u16* src, i64 row_stride, int row0, int len, int t) {
-  constexpr int kRowStep = kLanes / kChunks;
-  static_assert(kLanes % kChunks == 0 && kRows % kRowStep == 0, "whole rows per pass");
-  const int r = t / kChunks, ch = t % kChunks;
-  const u16* from = src + static_cast<i64>(row0 + r) * row_stride + ch * 8;
-#pragma unroll 2
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    const int row = r + i * kRowStep;
-    const bool valid = row0 + row < len;
-    cp_async_16(dst + wgmma::chunk_offset(kRows, row, ch), valid ? from + i * kRowStep * row_stride : src, valid);
-  }
-}
-
 // This lane's copies have landed; made visible to the async proxy (wgmma) before the arrival
 // that publishes them. (wait_group waits for committed groups only: commit first.)
 __device__ __forceinline__ void publish(u32 bar) {
@@ -111,7 +91,8 @@ __device__ __forceinline__ void publish(u32 bar) {
 
 // ---------------------------------------------------------------- producer warps
 // The loader threads: kLoadLanes of them (warps 0 and 2 of the producer warpgroup), t their index.
-// One warp alone issued too slowly (the backward ran at half speed); three measured no faster than
+// One warp, copying chunk by chunk with each address formed in full, issued for longer than the
+// consumers took per q tile (the backward ran at half speed); three warps measured no faster than
 // two (NOTES.md §31).
 enum : int { kLoadLanes = 64 };
 
@@ -119,17 +100,17 @@ template <class C, bool kDeterministic, class P>
 __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int t) {
   using S = bwd_wgmma::Shape<C>;
   constexpr int kBr = C::kBr;
-  load_tile<C::kBc, S::kChunks, kLoadLanes>(sm.k, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, p.kv_len, t);
-  load_tile<C::kBc, S::kChunks, kLoadLanes>(sm.v, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, p.kv_len, t);
+  bwd_wgmma::load_tile_async<C::kBc, S::kChunks, kLoadLanes>(sm.k, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, p.kv_len, t);
+  bwd_wgmma::load_tile_async<C::kBc, S::kChunks, kLoadLanes>(sm.v, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, p.kv_len, t);
   bool kv_published = false;
   QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
   for (int n = 0; tile.g < p.kv_group; ++n) {
     const int s = n & 1;
     tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
     const int head = hk * p.kv_group + tile.g;
-    load_tile<kBr, S::kChunks, kLoadLanes>(sm.q + s * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh, p.q_sn, tile.q0,
+    bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.q + s * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh, p.q_sn, tile.q0,
                                            p.q_len, t);
-    load_tile<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn,
+    bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn,
                                            tile.q0, p.q_len, t);
     bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
     // The next q tile's walk (a chain of dependent global loads) while these copies are in flight:

@@ -396,12 +396,8 @@ def _wgmma_backward_tile(head_dim: int, q_block_size: int, kv_block_size: int, a
     tile = WGMMA_BACKWARD_TILES.get(head_dim)
     if tile is None or arch is None or not has_wgmma(arch):
         return None
-    if extras:
-        tile = WGMMA_BACKWARD_FALLBACK
-    for candidate in (tile, WGMMA_BACKWARD_FALLBACK):
-        if q_block_size % candidate.br == 0 and kv_block_size % candidate.bc == 0:
-            return candidate
-    return None
+    candidates = (WGMMA_BACKWARD_FALLBACK,) if extras else (tile, WGMMA_BACKWARD_FALLBACK)
+    return next((c for c in candidates if q_block_size % c.br == 0 and kv_block_size % c.bc == 0), None)
 
 
 def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_block_size: int, causal: bool,
