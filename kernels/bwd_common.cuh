@@ -102,6 +102,8 @@ struct ScoreTile {
   bool partial;     // a PARTIAL block: masked by its bits or by F::mask
   const u32* bits;  // PARTIAL bits (not fused): q row q_local of the tile at bits + q_local * words
   int words;        // 32-bit words per q row of a partial mask (kv_block_size / 32)
+  u32 staged;       // or, staged by a producer (kernels/bwd_ws.cuh): q row q_local's 4 words for the
+                    // 128-row kv tile at shared address staged + 16 * q_local
 
   // Nothing to mask or transform: P straight from the raw scores (plain_probs). kv_tail: the kv
   // tile runs past kv_len (its rows there are masked). Spelled as one disjunction: with the flags
@@ -119,6 +121,7 @@ __device__ __forceinline__ ScoreTile<C> score_tile(const P& p, const QTile& t, i
   st.partial = C::kHasPartial && t.type == kPartial;
   st.bits = nullptr;
   st.words = 0;
+  st.staged = 0;
   if (!C::kFuseMask && st.partial) {
     const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
     const int pidx = __ldg(p.q_partial_index + row * p.t_width + t.slot);
@@ -126,6 +129,20 @@ __device__ __forceinline__ ScoreTile<C> score_tile(const P& p, const QTile& t, i
     st.bits =
         p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (t.q0 - t.q_block * p.q_block_size)) * st.words;
   }
+  return st;
+}
+
+// The same for a kernel whose producer staged a PARTIAL tile's bits in shared memory (`staged`:
+// kBr rows of the 4 words over its 128 kv rows), read by masked_probs<C, F, true>.
+template <class C>
+__device__ __forceinline__ ScoreTile<C> score_tile_staged(const QTile& t, int kv0, u32 staged) {
+  static_assert(C::kBc == 128 && !C::kFuseMask, "4 words of bits per q row: a 128-row kv tile, bits not fused");
+  ScoreTile<C> st;
+  st.causal_cut = C::kHasCausal && t.type == kCausal && t.q0 < kv0 + C::kBc - 1;
+  st.partial = C::kHasPartial && t.type == kPartial;
+  st.bits = nullptr;
+  st.words = 4;
+  st.staged = staged;
   return st;
 }
 
@@ -144,7 +161,7 @@ __device__ __forceinline__ void plain_probs(float (&pf)[4], const float (&s)[4],
 // F::mask, the causal cut); a masked score and a row with no allowed key (lse_log2 = +inf) give
 // exactly 0. kv_in_block: the kv tile's offset within its kv block; lane_row, lane_col: lane / 4,
 // (lane % 4) * 2. pf may be s (in place: each score is read before its probability is written).
-template <class C, class F, class P>
+template <class C, class F, bool kStagedBits = false, class P>
 __device__ __forceinline__ void masked_probs(float (&pf)[4], float (&g)[4], const float (&s)[4], const P& p,
                                              const ScoreTile<C>& st, bool kv_tail, int batch, int head, int q0, int kv0,
                                              int kv_in_block, int row0, const float* lse_s, int nt, int lane_row,
@@ -157,7 +174,13 @@ __device__ __forceinline__ void masked_probs(float (&pf)[4], float (&g)[4], cons
     u32 word = 0;
     // The 16 kv rows of an m16 tile start 16-aligned within the block: one word holds them.
     const int kv_bit0 = kv_in_block + row0;  // bit of the tile's first kv row
-    if (!C::kFuseMask && st.partial) word = __ldg(st.bits + q_local * st.words + kv_bit0 / 32);
+    if (!C::kFuseMask && st.partial) {
+      if (kStagedBits) {  // the kv tile's 128 rows start a word group: its word (kv_bit0 / 32) % 4
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(st.staged + q_local * 16 + ((kv_bit0 / 32) % 4) * 4));
+      } else {
+        word = __ldg(st.bits + q_local * st.words + kv_bit0 / 32);
+      }
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = j + 2 * half;

@@ -78,15 +78,18 @@ struct Shape {
 
 // Shared memory of a variant (dispatch/variant.py Variant.smem_bytes mirrors it): one swizzle atom of
 // alignment slack, K, V, kStages Q and dO tiles, dSᵀ (padded rows), then LSE and delta per stage.
-// Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging, a second dSᵀ buffer and
-// the mbarriers (kWsBarriers of 8 bytes).
-enum : int { kWsBarriers = 8 };
+// Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging, a second dSᵀ buffer,
+// per stage a PARTIAL tile's bits (kWsBitsRowBytes per q row) and the mbarriers (kWsBarriers of 8
+// bytes).
+enum : int { kWsBarriers = 8, kWsBitsRowBytes = 16 };
 template <class C>
 struct Smem {
   using S = Shape<C>;
   static constexpr int kBytes = wgmma::kAtomBytes + 2 * S::kKvBytes + 2 * C::kStages * S::kQBytes +
                                 (S::kWarpSpecialized ? 2 : 1) * C::kBc * S::kLdS * 2 + 2 * C::kStages * C::kBr * 4 +
-                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + kWsBarriers * 8 : 0);
+                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + C::kStages * C::kBr * kWsBitsRowBytes +
+                                                           kWsBarriers * 8
+                                                     : 0);
 };
 
 // ---------------------------------------------------------------- global -> shared, swizzled

@@ -55,7 +55,7 @@ struct Registers {
 template <class C>
 struct Layout {
   using S = bwd_wgmma::Shape<C>;
-  u32 k, v, q, dout, dq, ds, bars;
+  u32 k, v, q, dout, dq, ds, bits, bars;
   u16* ds_ptr;
   float* lse;    // [2][kBr], log2 units
   float* delta;  // [2][kBr]
@@ -71,7 +71,8 @@ struct Layout {
     ds_ptr = reinterpret_cast<u16*>(raw + (ds - base));
     lse = reinterpret_cast<float*>(ds_ptr + 2 * C::kBc * S::kLdS);
     delta = lse + C::kStages * C::kBr;
-    bars = smem_u32(delta + C::kStages * C::kBr);
+    bits = smem_u32(delta + C::kStages * C::kBr);  // [2][kBr] rows of 16 bytes: a PARTIAL tile's bits
+    bars = bits + C::kStages * C::kBr * bwd_wgmma::kWsBitsRowBytes;
   }
   __device__ __forceinline__ u32 q_full(int s) const { return bars + 8 * s; }
   __device__ __forceinline__ u32 q_empty(int s) const { return bars + 16 + 8 * s; }
@@ -96,6 +97,24 @@ __device__ __forceinline__ void publish(u32 bar) {
 // two (NOTES.md §31).
 enum : int { kLoadLanes = 64 };
 
+// A PARTIAL q tile's bits over this CTA's kv rows (4 words of each of its kBr q rows in the pool)
+// into stage s, one 16-byte copy per loader thread: the consumers mask from shared memory instead
+// of two dependent global loads between their Sᵀ and dV products (a PARTIAL q tile took 1.35x a
+// FULL one, NOTES.md §32).
+template <class C, class P>
+__device__ __forceinline__ void load_partial_bits_async(const P& p, const Layout<C>& sm, int s, int batch, int head,
+                                                        int kv0, const QTile& tile, int t) {
+  static_assert(kLoadLanes >= C::kBr && C::kBc == 128, "a thread per q row; 4 words per row (128 kv rows)");
+  if (t >= C::kBr) return;
+  const int kv_block = kv0 / p.kv_block_size, words = p.kv_block_size / 32;
+  const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
+  const int pidx = __ldg(p.q_partial_index + row * p.t_width + tile.slot);
+  const int q_row = tile.q0 - tile.q_block * p.q_block_size + t;  // within the q block: the pool has every row
+  const u32* src = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + q_row) * words +
+                   (kv0 - kv_block * p.kv_block_size) / 32;
+  cp_async_16(sm.bits + (s * C::kBr + t) * bwd_wgmma::kWsBitsRowBytes, src, true);
+}
+
 template <class C, bool kDeterministic, class P>
 __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int t) {
   using S = bwd_wgmma::Shape<C>;
@@ -113,6 +132,7 @@ __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int b
     bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn,
                                            tile.q0, p.q_len, t);
     bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
+    if (C::kHasPartial && !C::kFuseMask && tile.type == kPartial) load_partial_bits_async<C>(p, sm, s, batch, head, kv0, tile, t);
     // The next q tile's walk (a chain of dependent global loads) while these copies are in flight:
     // 6-8 % faster than walking after the publish (NOTES.md §31).
     const QTile next = bwd::next_q_tile<C>(p, batch, hk, kv0, tile.g, tile.slot, tile.tile + 1, kDeterministic);
@@ -166,7 +186,62 @@ __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int bat
   if (lane == 0) bulk_wait<0>();  // the last reductions, before the CTA's shared memory goes
 }
 
+// ---------------------------------------------------------------- the epilogue
+// dK (scaled) and dV of one warp's 16 kv rows (rows warp_row0 ..) through shared memory: the
+// accumulator fragments go to rows of 256 bytes (16-byte chunk c of row r at chunk c ^ (r % 8):
+// the eight rows a fragment store touches then fill all 32 banks), and the warp reads its own rows
+// back as 16-byte chunks, one row per 16 lanes, for whole-chunk global stores. Written from the
+// fragments, each store covered 16 bytes of 8 rows and the epilogue took 5-6 us per CTA (the
+// phase timings of NOTES.md §32). dk_stage, dv_stage: kBc rows of 256 bytes each, free of readers.
+template <class C, class T, class P>
+__device__ __forceinline__ void store_dk_dv_staged(const P& p, int batch, int hk, int kv0, int warp_row0,
+                                                   const float (&dk)[C::kHeadDim / 8][4],
+                                                   const float (&dv)[C::kHeadDim / 8][4], u32 dk_stage, u32 dv_stage,
+                                                   int lane) {
+  static_assert(C::kHeadDim == 128, "one row of 16 16-byte chunks (the warp-specialized tile's head dim)");
+  constexpr int kChunks = C::kHeadDim / 8, kRowBytes = C::kHeadDim * 2;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp_row0 + lane / 4 + half * 8;
+    const u32 row = r * kRowBytes + (lane % 4) * 4;
+#pragma unroll
+    for (int dt = 0; dt < kChunks; ++dt) {
+      const u32 at = row + ((dt ^ (r % 8)) << 4);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dk_stage + at),
+                   "r"(T::pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale)));
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dv_stage + at), "r"(T::pack(dv[dt][2 * half], dv[dt][2 * half + 1])));
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 16 * kChunks / 32; ++i) {
+    const int r = warp_row0 + i * 2 + lane / kChunks, c = lane % kChunks, kv = kv0 + r;
+    const u32 at = r * kRowBytes + ((c ^ (r % 8)) << 4);
+    Vec16 k4, v4;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(k4.x), "=r"(k4.y), "=r"(k4.z), "=r"(k4.w) : "r"(dk_stage + at));
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w) : "r"(dv_stage + at));
+    if (kv < p.kv_len) {
+      *reinterpret_cast<Vec16*>(p.dk + batch * p.dk_sb + hk * p.dk_sh + kv * p.dk_sn + c * 8) = k4;
+      *reinterpret_cast<Vec16*>(p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + c * 8) = v4;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- consumer warpgroups
+// What the consumers need of q tile `t` (stage s) to mask it: PARTIAL bits staged by the loaders,
+// or (fused masks) the expression.
+template <class C, class P>
+__device__ __forceinline__ bwd::ScoreTile<C> score_tile(const P& p, const Layout<C>& sm, int s, const QTile& t, int batch,
+                                                        int head, int kv0, int kv_block) {
+  if constexpr (C::kFuseMask) {
+    return bwd::score_tile<C>(p, t, batch, head, kv0, kv_block);
+  } else {
+    return bwd::score_tile_staged<C>(t, kv0, sm.bits + s * C::kBr * bwd_wgmma::kWsBitsRowBytes);
+  }
+}
+
 template <class C, class F, bool kDeterministic, class P>
 __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int tid) {
   using S = bwd_wgmma::Shape<C>;
@@ -234,7 +309,7 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     wgmma::pin(acc_s[0]);
 
     // ---- Pᵀ (bwd_common.cuh), packed for dV; acc_s keeps Pᵀ ∘ score_mod' for dSᵀ ----
-    const bwd::ScoreTile<C> st = bwd::score_tile<C>(p, cur, batch, head, kv0, kv_block);
+    const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0, kv_block);
     u32 p_t[1][S::kQSteps][4];
     const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
       p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
@@ -254,8 +329,8 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4], g[4];
-        bwd::masked_probs<C, F>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block, warp_row0, lse_s,
-                                nt, lane / 4, (lane % 4) * 2);
+        bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
+                                               warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
         finish(nt, pf, g);
       }
     }
@@ -326,8 +401,12 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   }
 
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
-  bwd::store_dk_dv_rows<S::kDTiles, C::kHeadDim, C::kHeadDim, T>(p, batch, hk, kv0 + warp_row0, 0, acc_dk, acc_dv,
-                                                                 lane / 4, (lane % 4) * 2);
+  // Staged in the Q and dO ring (kBc rows of 256 bytes each), once every consumer's products,
+  // whose last reads of it their own waits completed, are done: the loaders have nothing left to
+  // copy there.
+  static_assert(C::kStages * S::kQBytes == kBc * C::kHeadDim * 2, "the ring holds kBc rows of dK, and of dV");
+  tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
+  store_dk_dv_staged<C, T>(p, batch, hk, kv0, warp_row0, acc_dk, acc_dv, sm.q, sm.dout, lane);
 }
 
 // ================================================================ the kernel body
