@@ -50,7 +50,7 @@ struct QTile {
 // The next q tile at or after (g, slot, tile). CAUSAL tiles wholly above the diagonal (every
 // query before the first key of this kv tile) are skipped, except in deterministic mode, where
 // every tile of a listed block takes its turn in the dQ order (its contribution is zero).
-template <class C, class P>
+template <class C, bool kPartialIndex = false, class P>
 __device__ __forceinline__ QTile next_q_tile(const P& p, int batch, int hk, int kv0, int g, int slot, int tile,
                                              bool deterministic) {
   const int tiles_per_block = p.q_block_size / C::kBr;
@@ -74,6 +74,13 @@ __device__ __forceinline__ QTile next_q_tile(const P& p, int batch, int hk, int 
     }
   }
   return QTile{p.kv_group, 0, 0, 0, kMasked, 0};
+}
+
+// The pool index of PARTIAL q tile t's block (of head `head`, kv tile at kv0).
+template <class P>
+__device__ __forceinline__ int partial_index(const P& p, int batch, int head, int kv0, const QTile& t) {
+  const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv0 / p.kv_block_size;
+  return __ldg(p.q_partial_index + row * p.t_width + t.slot);
 }
 
 // ---------------------------------------------------------------- LSE and delta of one q tile
@@ -102,8 +109,8 @@ struct ScoreTile {
   bool partial;     // a PARTIAL block: masked by its bits or by F::mask
   const u32* bits;  // PARTIAL bits (not fused): q row q_local of the tile at bits + q_local * words
   int words;        // 32-bit words per q row of a partial mask (kv_block_size / 32)
-  u32 staged;       // or, staged by a producer (kernels/bwd_ws.cuh): q row q_local's 4 words for the
-                    // 128-row kv tile at shared address staged + 16 * q_local
+  u32 staged;       // or, staged in shared memory by the wgmma kernels' loads: q row q_local's
+                    // kBc / 32 words over the kv tile at shared address staged + q_local * kBc / 8
 
   // Nothing to mask or transform: P straight from the raw scores (plain_probs). kv_tail: the kv
   // tile runs past kv_len (its rows there are masked). Spelled as one disjunction: with the flags
@@ -132,16 +139,16 @@ __device__ __forceinline__ ScoreTile<C> score_tile(const P& p, const QTile& t, i
   return st;
 }
 
-// The same for a kernel whose producer staged a PARTIAL tile's bits in shared memory (`staged`:
-// kBr rows of the 4 words over its 128 kv rows), read by masked_probs<C, F, true>.
+// The same for a kernel that staged a PARTIAL tile's bits in shared memory with its Q tile
+// (`staged`: kBr rows of kBc / 32 words, the kv tile's), read by masked_probs<C, F, true>.
 template <class C>
 __device__ __forceinline__ ScoreTile<C> score_tile_staged(const QTile& t, int kv0, u32 staged) {
-  static_assert(C::kBc == 128 && !C::kFuseMask, "4 words of bits per q row: a 128-row kv tile, bits not fused");
+  static_assert(C::kBc % 64 == 0 && !C::kFuseMask, "whole 8-byte rows of bits, not fused");
   ScoreTile<C> st;
   st.causal_cut = C::kHasCausal && t.type == kCausal && t.q0 < kv0 + C::kBc - 1;
   st.partial = C::kHasPartial && t.type == kPartial;
   st.bits = nullptr;
-  st.words = 4;
+  st.words = C::kBc / 32;
   st.staged = staged;
   return st;
 }
@@ -175,8 +182,9 @@ __device__ __forceinline__ void masked_probs(float (&pf)[4], float (&g)[4], cons
     // The 16 kv rows of an m16 tile start 16-aligned within the block: one word holds them.
     const int kv_bit0 = kv_in_block + row0;  // bit of the tile's first kv row
     if (!C::kFuseMask && st.partial) {
-      if (kStagedBits) {  // the kv tile's 128 rows start a word group: its word (kv_bit0 / 32) % 4
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(st.staged + q_local * 16 + ((kv_bit0 / 32) % 4) * 4));
+      if (kStagedBits) {  // the kv tile starts a group of kBc / 32 words: its word is (kv_bit0 / 32) % that
+        constexpr int kWords = C::kBc / 32;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(st.staged + q_local * (kWords * 4) + ((kv_bit0 / 32) % kWords) * 4));
       } else {
         word = __ldg(st.bits + q_local * st.words + kv_bit0 / 32);
       }

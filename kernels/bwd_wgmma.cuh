@@ -52,6 +52,7 @@ struct Shape {
   // kernel). Enumerators: static constexpr members become device symbols of every cubin that
   // includes this header, and this kernel's cubins stay byte-identical without them.
   enum : int { kConsumerThreads = kWarpgroups * 128, kWarpSpecialized = C::kWarps == C::kBc / 16 + 4 };
+  enum : int { kBitsRowBytes = C::kBc / 8 };               // a q row's PARTIAL bits over the kv tile
   static constexpr int kNT = C::kBr / 8;                   // n8 tiles of Sᵀ / dPᵀ (q columns)
   static constexpr int kDTiles = C::kHeadDim / 8;          // n8 tiles of dK / dV
   static constexpr int kKSteps = C::kHeadDim / 16;         // k16 steps of Sᵀ, dPᵀ (head dim)
@@ -78,19 +79,37 @@ struct Shape {
 
 // Shared memory of a variant (dispatch/variant.py Variant.smem_bytes mirrors it): one swizzle atom of
 // alignment slack, K, V, kStages Q and dO tiles, dSᵀ (padded rows), then LSE and delta per stage.
-// Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging, a second dSᵀ buffer,
-// per stage a PARTIAL tile's bits (kWsBitsRowBytes per q row) and the mbarriers (kWsBarriers of 8
-// bytes).
-enum : int { kWsBarriers = 8, kWsBitsRowBytes = 16 };
+// Per stage also a PARTIAL q tile's bits over the kv tile (Shape::kBitsRowBytes per q row).
+// Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging, a second dSᵀ buffer
+// and the mbarriers (kWsBarriers of 8 bytes).
+enum : int { kWsBarriers = 8 };
 template <class C>
 struct Smem {
   using S = Shape<C>;
   static constexpr int kBytes = wgmma::kAtomBytes + 2 * S::kKvBytes + 2 * C::kStages * S::kQBytes +
                                 (S::kWarpSpecialized ? 2 : 1) * C::kBc * S::kLdS * 2 + 2 * C::kStages * C::kBr * 4 +
-                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + C::kStages * C::kBr * kWsBitsRowBytes +
-                                                           kWsBarriers * 8
-                                                     : 0);
+                                C::kStages * C::kBr * S::kBitsRowBytes +
+                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + kWsBarriers * 8 : 0);
 };
+
+// ---------------------------------------------------------------- a PARTIAL tile's bits
+// Q row r of PARTIAL q tile t: its kBc / 32 words over the kv tile at kv0 (from the pool's block
+// pidx: the walk's, next_q_tile<C, true>, or bwd::partial_index) to shared address `dst`, one copy. Masking
+// then reads shared memory: from the pool, two dependent global loads sat between the Sᵀ and dV
+// products, and a PARTIAL q tile took 1.35x (D = 128) to 1.49x (D = 64) a FULL one (NOTES.md §32).
+template <class C, class P>
+__device__ __forceinline__ void load_bits_async(u32 dst, const P& p, const QTile& t, int pidx, int kv0, int r) {
+  const int kv_block = kv0 / p.kv_block_size, words = p.kv_block_size / 32;
+  const int q_row = t.q0 - t.q_block * p.q_block_size + r;  // within the q block: the pool has every row
+  const u32* src = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + q_row) * words +
+                   (kv0 - kv_block * p.kv_block_size) / 32;
+  if constexpr (Shape<C>::kBitsRowBytes == 16) {
+    cp_async_16(dst, src, true);
+  } else {
+    static_assert(Shape<C>::kBitsRowBytes == 8, "kBc of 64 or 128");
+    cp_async_8(dst, src);
+  }
+}
 
 // ---------------------------------------------------------------- global -> shared, swizzled
 // kRows rows of the head dim from sequence position row0 into the swizzled layout at shared
@@ -203,6 +222,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   u16* sdS = reinterpret_cast<u16*>(smem_raw + (sdS_addr - smem_raw_addr));
   float* sLse = reinterpret_cast<float*>(sdS + kBc * kLdS);  // [kStages][kBr] LSE, log2 units
   float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
+  const u32 sBits = smem_u32(sDelta + C::kStages * kBr);       // [kStages][kBr] a PARTIAL tile's bits
+  // Tiles whose PARTIAL bits are staged with Q (not fused masks: those are evaluated per score).
+  constexpr bool kStagedBits = C::kHasPartial && !C::kFuseMask;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // Through a shuffle, so that the compiler knows it is warp-uniform (descriptors in uniform registers).
@@ -229,7 +251,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
                                                   t.q0, q_len, threadIdx.x);
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
                                                   p.do_sn, t.q0, q_len, threadIdx.x);
-    bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);
+    bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);  // threads 0 .. kBr / 2 - 1
+    if (kStagedBits && t.type == kPartial && tid >= S::kThreads - kBr)
+      load_bits_async<C>(sBits + (buf * kBr + tid - (S::kThreads - kBr)) * S::kBitsRowBytes, p, t, bwd::partial_index(p, batch, head, kv0, t), kv0,
+                         tid - (S::kThreads - kBr));
     cp_async_commit();
   };
 
@@ -275,7 +300,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;  // kv tile offset within its block
   const bool kv_tail = kv0 + kBc > kv_len;
 
-  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, deterministic);
+  QTile cur = bwd::next_q_tile<C, kStagedBits>(p, batch, hk, kv0, 0, 0, 0, deterministic);
   if (cur.g < group) load_q_tile(cur, 0);
   while (cur.g < group) {
     // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
@@ -310,7 +335,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     wgmma::pin(acc_s[0]);
 
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (bwd_common.cuh) ----
-    const bwd::ScoreTile<C> st = bwd::score_tile<C>(p, cur, batch, head, kv0, kv_block);
+    bwd::ScoreTile<C> st;
+    if constexpr (C::kFuseMask) {
+      st = bwd::score_tile<C>(p, cur, batch, head, kv0, kv_block);
+    } else {
+      st = bwd::score_tile_staged<C>(cur, kv0, sBits + buf * kBr * S::kBitsRowBytes);
+    }
     // Per n8 tile: Pᵀ packed into the A fragments of dV (p_t), and acc_s keeps Pᵀ ∘ score_mod' in
     // fp32 for dSᵀ (no array of derivatives stays live across the tile).
     u32 p_t[1][S::kQSteps][4];
@@ -332,8 +362,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4], g[4];
-        bwd::masked_probs<C, F>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block, warp_row0, lse_s,
-                                nt, lane / 4, (lane % 4) * 2);
+        bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
+                                               warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
         finish(nt, pf, g);
       }
     }
@@ -366,7 +396,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
     if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp; the other buffer is free
-    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
+    const QTile nxt = bwd::next_q_tile<C, kStagedBits>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
     if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).

@@ -71,8 +71,8 @@ struct Layout {
     ds_ptr = reinterpret_cast<u16*>(raw + (ds - base));
     lse = reinterpret_cast<float*>(ds_ptr + 2 * C::kBc * S::kLdS);
     delta = lse + C::kStages * C::kBr;
-    bits = smem_u32(delta + C::kStages * C::kBr);  // [2][kBr] rows of 16 bytes: a PARTIAL tile's bits
-    bars = bits + C::kStages * C::kBr * bwd_wgmma::kWsBitsRowBytes;
+    bits = smem_u32(delta + C::kStages * C::kBr);  // [2][kBr] a PARTIAL tile's bits (kBitsRowBytes per row)
+    bars = bits + C::kStages * C::kBr * S::kBitsRowBytes;
   }
   __device__ __forceinline__ u32 q_full(int s) const { return bars + 8 * s; }
   __device__ __forceinline__ u32 q_empty(int s) const { return bars + 16 + 8 * s; }
@@ -97,24 +97,6 @@ __device__ __forceinline__ void publish(u32 bar) {
 // two (NOTES.md §31).
 enum : int { kLoadLanes = 64 };
 
-// A PARTIAL q tile's bits over this CTA's kv rows (4 words of each of its kBr q rows in the pool)
-// into stage s, one 16-byte copy per loader thread: the consumers mask from shared memory instead
-// of two dependent global loads between their Sᵀ and dV products (a PARTIAL q tile took 1.35x a
-// FULL one, NOTES.md §32).
-template <class C, class P>
-__device__ __forceinline__ void load_partial_bits_async(const P& p, const Layout<C>& sm, int s, int batch, int head,
-                                                        int kv0, const QTile& tile, int t) {
-  static_assert(kLoadLanes >= C::kBr && C::kBc == 128, "a thread per q row; 4 words per row (128 kv rows)");
-  if (t >= C::kBr) return;
-  const int kv_block = kv0 / p.kv_block_size, words = p.kv_block_size / 32;
-  const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-  const int pidx = __ldg(p.q_partial_index + row * p.t_width + tile.slot);
-  const int q_row = tile.q0 - tile.q_block * p.q_block_size + t;  // within the q block: the pool has every row
-  const u32* src = p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + q_row) * words +
-                   (kv0 - kv_block * p.kv_block_size) / 32;
-  cp_async_16(sm.bits + (s * C::kBr + t) * bwd_wgmma::kWsBitsRowBytes, src, true);
-}
-
 template <class C, bool kDeterministic, class P>
 __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int t) {
   using S = bwd_wgmma::Shape<C>;
@@ -122,6 +104,8 @@ __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int b
   bwd_wgmma::load_tile_async<C::kBc, S::kChunks, kLoadLanes>(sm.k, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, p.kv_len, t);
   bwd_wgmma::load_tile_async<C::kBc, S::kChunks, kLoadLanes>(sm.v, p.v + batch * p.v_sb + hk * p.v_sh, p.v_sn, kv0, p.kv_len, t);
   bool kv_published = false;
+  constexpr bool kStagedBits = C::kHasPartial && !C::kFuseMask;
+  static_assert(kLoadLanes >= kBr, "a loader thread per q row of bits");
   QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
   for (int n = 0; tile.g < p.kv_group; ++n) {
     const int s = n & 1;
@@ -132,7 +116,12 @@ __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int b
     bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn,
                                            tile.q0, p.q_len, t);
     bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
-    if (C::kHasPartial && !C::kFuseMask && tile.type == kPartial) load_partial_bits_async<C>(p, sm, s, batch, head, kv0, tile, t);
+    if (kStagedBits && tile.type == kPartial && t < kBr) {  // its bits, a thread per q row (bwd_wgmma.cuh)
+      // The pool index read here, not by the walk: in the walk's records it costs the loaders'
+      // few registers (spills 48 -> 148 bytes).
+      const int pidx = bwd::partial_index(p, batch, head, kv0, tile);
+      bwd_wgmma::load_bits_async<C>(sm.bits + (s * kBr + t) * S::kBitsRowBytes, p, tile, pidx, kv0, t);
+    }
     // The next q tile's walk (a chain of dependent global loads) while these copies are in flight:
     // 6-8 % faster than walking after the publish (NOTES.md §31).
     const QTile next = bwd::next_q_tile<C>(p, batch, hk, kv0, tile.g, tile.slot, tile.tile + 1, kDeterministic);
@@ -238,7 +227,7 @@ __device__ __forceinline__ bwd::ScoreTile<C> score_tile(const P& p, const Layout
   if constexpr (C::kFuseMask) {
     return bwd::score_tile<C>(p, t, batch, head, kv0, kv_block);
   } else {
-    return bwd::score_tile_staged<C>(t, kv0, sm.bits + s * C::kBr * bwd_wgmma::kWsBitsRowBytes);
+    return bwd::score_tile_staged<C>(t, kv0, sm.bits + s * C::kBr * bwd_wgmma::Shape<C>::kBitsRowBytes);
   }
 }
 

@@ -30,6 +30,11 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// 8 bytes (through L1: .cg takes 16 only), always valid.
+__device__ __forceinline__ void cp_async_8(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+}
+
 // The same copy with a 128-byte L2 prefetch hint (.L2::128B): a miss brings in the copy's whole
 // 128-byte line at once, so a warp's 16-byte requests over consecutive rows reach DRAM as whole
 // lines. For streams read once (the decode's K and V): +2-3 % of K+V bandwidth on the H200 over

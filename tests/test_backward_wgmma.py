@@ -78,8 +78,8 @@ def test_plan_says_which_family_and_why(monkeypatch):
 WARP_SPECIALIZED = [
     pytest.param(128, 128, 128, True, 384, 204864, id="hd128-ws"),
     pytest.param(128, 256, 512, True, 384, 204864, id="hd128-large-blocks-ws"),
-    pytest.param(128, 64, 64, False, 128, 109568, id="hd128-kv64-plain"),
-    pytest.param(64, 128, 128, False, 128, 60416, id="hd64-plain"),
+    pytest.param(128, 64, 64, False, 128, 110592, id="hd128-kv64-plain"),
+    pytest.param(64, 128, 128, False, 128, 61440, id="hd64-plain"),
 ]
 
 

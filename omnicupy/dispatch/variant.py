@@ -71,9 +71,6 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 #: of 8 bytes.
 WS_BWD_PRODUCER_WARPS = 4
 WS_BWD_BARRIER_BYTES = 64
-#: ...and per stage, each q row's PARTIAL bits over the CTA's 128 kv rows (16 bytes), staged by the
-#: producer (kernels/bwd_wgmma.cuh kWsBitsRowBytes).
-WS_BWD_BITS_ROW_BYTES = 16
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
 #: tma family: the producer warpgroup's warps (one thread issues the loads), and the shared memory
 #: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
@@ -333,7 +330,8 @@ class Variant:
 
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
         Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows);
-        backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack."""
+        backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack and per
+        stage a PARTIAL q tile's bits over the kv tile (bc / 8 bytes per q row)."""
         if self.family == "tma":
             return self._tma_tiles_bytes + (self._tma_staging_bytes if self.persistent else 0)
         if self.operation == "backward" and self.family == "wgmma":
@@ -342,8 +340,8 @@ class Variant:
             ws = self.warp_specialized
             return (SWIZZLE_ATOM_BYTES + (2 * self.bc + 2 * self.stages * self.br) * self.head_dim * 2
                     + (2 if ws else 1) * self.bc * (self.br + SMEM_PAD_ELEMS) * 2 + 2 * self.stages * self.br * 4
-                    + (self.br * self.head_dim * 4 + self.stages * self.br * WS_BWD_BITS_ROW_BYTES
-                       + WS_BWD_BARRIER_BYTES if ws else 0))
+                    + self.stages * self.br * self.bc // 8  # a PARTIAL q tile's bits per stage
+                    + (self.br * self.head_dim * 4 + WS_BWD_BARRIER_BYTES if ws else 0))
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2
