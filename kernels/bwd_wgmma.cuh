@@ -111,6 +111,51 @@ __device__ __forceinline__ void load_bits_async(u32 dst, const P& p, const QTile
   }
 }
 
+// ---------------------------------------------------------------- the epilogue
+// dK (scaled) and dV of one warp's 16 kv rows (rows warp_row0 ..) through shared memory: the
+// accumulator fragments go to rows of kHeadDim * 2 bytes (16-byte chunk c of row r at chunk
+// c ^ (r % 8): the eight rows a fragment store touches then fill all 32 banks), and the warp reads
+// its own rows back as 16-byte chunks, whole rows per pass of 32 lanes, for whole-chunk global
+// stores. Written from the fragments, each store covered 16 bytes of 8 rows, and the epilogue took
+// 5-6 us of a warp-specialized CTA (the phase timings of NOTES.md §32). dk_stage, dv_stage: kBc
+// rows of kHeadDim * 2 bytes each, free of readers (both kernels pass their Q and dO buffers).
+template <class C, class T, class P>
+__device__ __forceinline__ void store_dk_dv_staged(const P& p, int batch, int hk, int kv0, int warp_row0,
+                                                   const float (&dk)[C::kHeadDim / 8][4],
+                                                   const float (&dv)[C::kHeadDim / 8][4], u32 dk_stage, u32 dv_stage,
+                                                   int lane) {
+  constexpr int kChunks = C::kHeadDim / 8, kRowBytes = C::kHeadDim * 2;
+  static_assert(kChunks == 8 || kChunks == 16, "rows of 8 or 16 chunks: the swizzle spans 8, 32 lanes whole rows");
+  static_assert(C::kStages * Shape<C>::kQBytes >= C::kBc * kRowBytes, "the Q (dO) buffers hold kBc rows of dK (dV)");
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp_row0 + lane / 4 + half * 8;
+    const u32 row = r * kRowBytes + (lane % 4) * 4;
+#pragma unroll
+    for (int dt = 0; dt < kChunks; ++dt) {
+      const u32 at = row + ((dt ^ (r % 8)) << 4);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dk_stage + at),
+                   "r"(T::pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale)));
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dv_stage + at), "r"(T::pack(dv[dt][2 * half], dv[dt][2 * half + 1])));
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 16 * kChunks / 32; ++i) {
+    const int r = warp_row0 + i * (32 / kChunks) + lane / kChunks, c = lane % kChunks, kv = kv0 + r;
+    const u32 at = r * kRowBytes + ((c ^ (r % 8)) << 4);
+    Vec16 k4, v4;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(k4.x), "=r"(k4.y), "=r"(k4.z), "=r"(k4.w) : "r"(dk_stage + at));
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w) : "r"(dv_stage + at));
+    if (kv < p.kv_len) {
+      *reinterpret_cast<Vec16*>(p.dk + batch * p.dk_sb + hk * p.dk_sh + kv * p.dk_sn + c * 8) = k4;
+      *reinterpret_cast<Vec16*>(p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + c * 8) = v4;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- global -> shared, swizzled
 // kRows rows of the head dim from sequence position row0 into the swizzled layout at shared
 // address `dst`, by kThreads copying threads (t: this one's index among them); rows at or past
@@ -481,9 +526,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait<0>();  // the last q tile's dQ reductions, before the CTA's shared memory goes
 
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
-  // Unpadded head dims only (dispatch/variant.py): every column is real.
-  bwd::store_dk_dv_rows<S::kDTiles, C::kHeadDim, C::kHeadDim, T>(p, batch, hk, kv0 + warp_row0, 0, acc_dk, acc_dv,
-                                                                 lane / 4, (lane % 4) * 2);
+  // Unpadded head dims only (dispatch/variant.py): every column is real. Staged in Q's and dO's
+  // buffers once every warp is past its last products and the last dQ reductions have read them.
+  __syncthreads();
+  store_dk_dv_staged<C, T>(p, batch, hk, kv0, warp_row0, acc_dk, acc_dv, sQ, sdO, lane);
 }
 
 }  // namespace bwd_wgmma

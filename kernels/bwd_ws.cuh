@@ -175,49 +175,6 @@ __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int bat
   if (lane == 0) bulk_wait<0>();  // the last reductions, before the CTA's shared memory goes
 }
 
-// ---------------------------------------------------------------- the epilogue
-// dK (scaled) and dV of one warp's 16 kv rows (rows warp_row0 ..) through shared memory: the
-// accumulator fragments go to rows of 256 bytes (16-byte chunk c of row r at chunk c ^ (r % 8):
-// the eight rows a fragment store touches then fill all 32 banks), and the warp reads its own rows
-// back as 16-byte chunks, one row per 16 lanes, for whole-chunk global stores. Written from the
-// fragments, each store covered 16 bytes of 8 rows and the epilogue took 5-6 us per CTA (the
-// phase timings of NOTES.md §32). dk_stage, dv_stage: kBc rows of 256 bytes each, free of readers.
-template <class C, class T, class P>
-__device__ __forceinline__ void store_dk_dv_staged(const P& p, int batch, int hk, int kv0, int warp_row0,
-                                                   const float (&dk)[C::kHeadDim / 8][4],
-                                                   const float (&dv)[C::kHeadDim / 8][4], u32 dk_stage, u32 dv_stage,
-                                                   int lane) {
-  static_assert(C::kHeadDim == 128, "one row of 16 16-byte chunks (the warp-specialized tile's head dim)");
-  constexpr int kChunks = C::kHeadDim / 8, kRowBytes = C::kHeadDim * 2;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = warp_row0 + lane / 4 + half * 8;
-    const u32 row = r * kRowBytes + (lane % 4) * 4;
-#pragma unroll
-    for (int dt = 0; dt < kChunks; ++dt) {
-      const u32 at = row + ((dt ^ (r % 8)) << 4);
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dk_stage + at),
-                   "r"(T::pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale)));
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dv_stage + at), "r"(T::pack(dv[dt][2 * half], dv[dt][2 * half + 1])));
-    }
-  }
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < 16 * kChunks / 32; ++i) {
-    const int r = warp_row0 + i * 2 + lane / kChunks, c = lane % kChunks, kv = kv0 + r;
-    const u32 at = r * kRowBytes + ((c ^ (r % 8)) << 4);
-    Vec16 k4, v4;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(k4.x), "=r"(k4.y), "=r"(k4.z), "=r"(k4.w) : "r"(dk_stage + at));
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w) : "r"(dv_stage + at));
-    if (kv < p.kv_len) {
-      *reinterpret_cast<Vec16*>(p.dk + batch * p.dk_sb + hk * p.dk_sh + kv * p.dk_sn + c * 8) = k4;
-      *reinterpret_cast<Vec16*>(p.dv + batch * p.dv_sb + hk * p.dv_sh + kv * p.dv_sn + c * 8) = v4;
-    }
-  }
-}
-
 // ---------------------------------------------------------------- consumer warpgroups
 // What the consumers need of q tile `t` (stage s) to mask it: PARTIAL bits staged by the loaders,
 // or (fused masks) the expression.
@@ -393,9 +350,8 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   // Staged in the Q and dO ring (kBc rows of 256 bytes each), once every consumer's products,
   // whose last reads of it their own waits completed, are done: the loaders have nothing left to
   // copy there.
-  static_assert(C::kStages * S::kQBytes == kBc * C::kHeadDim * 2, "the ring holds kBc rows of dK, and of dV");
   tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
-  store_dk_dv_staged<C, T>(p, batch, hk, kv0, warp_row0, acc_dk, acc_dv, sm.q, sm.dout, lane);
+  bwd_wgmma::store_dk_dv_staged<C, T>(p, batch, hk, kv0, warp_row0, acc_dk, acc_dv, sm.q, sm.dout, lane);
 }
 
 // ================================================================ the kernel body
