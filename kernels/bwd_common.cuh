@@ -6,8 +6,10 @@
 //
 //   the q-tile walk          QTile, next_q_tile (the transposed block index)
 //   per-q-tile loads         load_row_stats_async (LSE and delta rows into shared memory)
-//   Pᵀ from Sᵀ               ScoreTile, score_tile, plain_probs, masked_probs (scale, score
-//                            modifier and its derivative, causal / partial / kv-tail masking)
+//   Pᵀ from Sᵀ               ScoreTile, score_tile (or score_tile_staged: PARTIAL bits in
+//                            shared memory, partial_index their pool block), plain_probs,
+//                            masked_probs (scale, score modifier and its derivative, causal /
+//                            partial / kv-tail masking)
 //   fragments                store_ds_rows (dSᵀ to shared memory for dQ; zero and pack_a are in
 //                            mma_tiles.cuh, shared with the decode)
 //   dQ                       the deterministic order: dq_semaphore, load_acquire / store_release;
@@ -50,7 +52,7 @@ struct QTile {
 // The next q tile at or after (g, slot, tile). CAUSAL tiles wholly above the diagonal (every
 // query before the first key of this kv tile) are skipped, except in deterministic mode, where
 // every tile of a listed block takes its turn in the dQ order (its contribution is zero).
-template <class C, bool kPartialIndex = false, class P>
+template <class C, class P>
 __device__ __forceinline__ QTile next_q_tile(const P& p, int batch, int hk, int kv0, int g, int slot, int tile,
                                              bool deterministic) {
   const int tiles_per_block = p.q_block_size / C::kBr;
@@ -184,7 +186,10 @@ __device__ __forceinline__ void masked_probs(float (&pf)[4], float (&g)[4], cons
     if (!C::kFuseMask && st.partial) {
       if (kStagedBits) {  // the kv tile starts a group of kBc / 32 words: its word is (kv_bit0 / 32) % that
         constexpr int kWords = C::kBc / 32;
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(st.staged + q_local * (kWords * 4) + ((kv_bit0 / 32) % kWords) * 4));
+        // Spelled q_local * (kWords * 4) + ...: the same sum as (q_local * kWords + ...) * 4 spilled
+        // 160 bytes instead of 56 in the warp-specialized kernel (NOTES.md §32).
+        const u32 at = st.staged + q_local * (kWords * 4) + ((kv_bit0 / 32) % kWords) * 4;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(at));
       } else {
         word = __ldg(st.bits + q_local * st.words + kv_bit0 / 32);
       }

@@ -94,9 +94,9 @@ struct Smem {
 
 // ---------------------------------------------------------------- a PARTIAL tile's bits
 // Q row r of PARTIAL q tile t: its kBc / 32 words over the kv tile at kv0 (from the pool's block
-// pidx: the walk's, next_q_tile<C, true>, or bwd::partial_index) to shared address `dst`, one copy. Masking
-// then reads shared memory: from the pool, two dependent global loads sat between the Sᵀ and dV
-// products, and a PARTIAL q tile took 1.35x (D = 128) to 1.49x (D = 64) a FULL one (NOTES.md §32).
+// pidx, bwd::partial_index) to shared address `dst`, one copy. Masking then reads shared memory:
+// from the pool, two dependent global loads sat between the Sᵀ and dV products, and a PARTIAL q
+// tile took 1.35x (D = 128) to 1.49x (D = 64) a FULL one (NOTES.md §32).
 template <class C, class P>
 __device__ __forceinline__ void load_bits_async(u32 dst, const P& p, const QTile& t, int pidx, int kv0, int r) {
   const int kv_block = kv0 / p.kv_block_size, words = p.kv_block_size / 32;
@@ -297,9 +297,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
                                                   p.do_sn, t.q0, q_len, threadIdx.x);
     bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);  // threads 0 .. kBr / 2 - 1
-    if (kStagedBits && t.type == kPartial && tid >= S::kThreads - kBr)
-      load_bits_async<C>(sBits + (buf * kBr + tid - (S::kThreads - kBr)) * S::kBitsRowBytes, p, t, bwd::partial_index(p, batch, head, kv0, t), kv0,
-                         tid - (S::kThreads - kBr));
+    if (kStagedBits && t.type == kPartial && tid >= S::kThreads - kBr)  // the last kBr threads: a q row each
+      load_bits_async<C>(sBits + (buf * kBr + tid - (S::kThreads - kBr)) * S::kBitsRowBytes, p, t,
+                         bwd::partial_index(p, batch, head, kv0, t), kv0, tid - (S::kThreads - kBr));
     cp_async_commit();
   };
 
@@ -345,7 +345,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;  // kv tile offset within its block
   const bool kv_tail = kv0 + kBc > kv_len;
 
-  QTile cur = bwd::next_q_tile<C, kStagedBits>(p, batch, hk, kv0, 0, 0, 0, deterministic);
+  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, deterministic);
   if (cur.g < group) load_q_tile(cur, 0);
   while (cur.g < group) {
     // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
@@ -441,7 +441,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
     if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp; the other buffer is free
-    const QTile nxt = bwd::next_q_tile<C, kStagedBits>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
+    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
     if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).

@@ -117,8 +117,6 @@ __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int b
                                            tile.q0, p.q_len, t);
     bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
     if (kStagedBits && tile.type == kPartial && t < kBr) {  // its bits, a thread per q row (bwd_wgmma.cuh)
-      // The pool index read here, not by the walk: in the walk's records it costs the loaders'
-      // few registers (spills 48 -> 148 bytes).
       const int pidx = bwd::partial_index(p, batch, head, kv0, tile);
       bwd_wgmma::load_bits_async<C>(sm.bits + (s * kBr + t) * S::kBitsRowBytes, p, tile, pidx, kv0, t);
     }
