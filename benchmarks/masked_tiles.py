@@ -24,6 +24,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
+from benchmarks.tune_backward import time_ms  # noqa: E402  (CUDA events, median of 10 after 3 warm-ups)
 from omnicupy import BlockMask, masks  # noqa: E402
 from omnicupy.mask.types import BlockType  # noqa: E402
 
@@ -68,22 +69,6 @@ def cases_at(n: int, windows: list[int], xp) -> dict[str, BlockMask]:
 def listed_blocks(bm: BlockMask) -> int:
     counts = bm.kv_num_blocks
     return int((counts.get() if hasattr(counts, "get") else np.asarray(counts)).sum())
-
-
-def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    import cupy as cp
-
-    for _ in range(warmup):
-        fn()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def check(pass_name: str, bm: BlockMask, head_dim: int, seed: int) -> float:
