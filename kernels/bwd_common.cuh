@@ -123,8 +123,7 @@ struct ScoreTile {
 };
 
 template <class C, class P>
-__device__ __forceinline__ ScoreTile<C> score_tile(const P& p, const QTile& t, int batch, int head, int kv0,
-                                                   int kv_block) {
+__device__ __forceinline__ ScoreTile<C> score_tile(const P& p, const QTile& t, int batch, int head, int kv0) {
   ScoreTile<C> st;
   st.causal_cut = C::kHasCausal && t.type == kCausal && t.q0 < kv0 + C::kBc - 1;
   st.partial = C::kHasPartial && t.type == kPartial;
@@ -132,8 +131,7 @@ __device__ __forceinline__ ScoreTile<C> score_tile(const P& p, const QTile& t, i
   st.words = 0;
   st.staged = 0;
   if (!C::kFuseMask && st.partial) {
-    const i64 row = batch * p.t_row_sb + head * p.t_row_sh + kv_block;
-    const int pidx = __ldg(p.q_partial_index + row * p.t_width + t.slot);
+    const int pidx = partial_index(p, batch, head, kv0, t);
     st.words = p.kv_block_size / 32;
     st.bits =
         p.partial_masks + (static_cast<i64>(pidx) * p.q_block_size + (t.q0 - t.q_block * p.q_block_size)) * st.words;

@@ -181,7 +181,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     mma_rows_rows<kMT, kNT, S::kKSteps, kLd, T>(acc_s, k_a, q_bn + buf_off);
 
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) ----
-    const ScoreTile<C> st = score_tile<C>(p, cur, batch, head, kv0, kv_block);
+    const ScoreTile<C> st = score_tile<C>(p, cur, batch, head, kv0);
     float grad[kMT][kNT][4];
     if (st.plain(kv_tail)) {
 #pragma unroll

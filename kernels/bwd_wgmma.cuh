@@ -382,7 +382,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (bwd_common.cuh) ----
     bwd::ScoreTile<C> st;
     if constexpr (C::kFuseMask) {
-      st = bwd::score_tile<C>(p, cur, batch, head, kv0, kv_block);
+      st = bwd::score_tile<C>(p, cur, batch, head, kv0);
     } else {
       st = bwd::score_tile_staged<C>(cur, kv0, sBits + buf * kBr * S::kBitsRowBytes);
     }

@@ -178,9 +178,9 @@ __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int bat
 // or (fused masks) the expression.
 template <class C, class P>
 __device__ __forceinline__ bwd::ScoreTile<C> score_tile(const P& p, const Layout<C>& sm, int s, const QTile& t, int batch,
-                                                        int head, int kv0, int kv_block) {
+                                                        int head, int kv0) {
   if constexpr (C::kFuseMask) {
-    return bwd::score_tile<C>(p, t, batch, head, kv0, kv_block);
+    return bwd::score_tile<C>(p, t, batch, head, kv0);
   } else {
     return bwd::score_tile_staged<C>(t, kv0, sm.bits + s * C::kBr * bwd_wgmma::Shape<C>::kBitsRowBytes);
   }
@@ -253,7 +253,7 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     wgmma::pin(acc_s[0]);
 
     // ---- Pᵀ (bwd_common.cuh), packed for dV; acc_s keeps Pᵀ ∘ score_mod' for dSᵀ ----
-    const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0, kv_block);
+    const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0);
     u32 p_t[1][S::kQSteps][4];
     const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
       p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
