@@ -94,7 +94,7 @@ def cpu_rows(calls: int) -> list[tuple[str, float]]:
         fwd = recall.Recipe.make(_NullKernel(), plan, fields)
         rows.append(("forward recipe.launch, null route (5 pointers, 1 kernel)",
                      per_call_us(lambda: fwd.launch(1 << 40, 2 << 40, 3 << 40, 4 << 40, 0), calls)))
-        bfields = {p.name: (0 if p.count == 1 else []) for p in BACKWARD.params}
+        bfields = {p.name: (None if p.kind == "tmap" else 0) if p.count == 1 else [] for p in BACKWARD.params}
         items = [launch.KernelLaunch(_NullKernel(), (8, 16, 2), (256, 1, 1)) for _ in range(3)]
         bwd = recall.Recipe.make(None, plan, bfields, BACKWARD, pointer_fields=backward_op.POINTER_FIELDS,
                                  launches=items)
