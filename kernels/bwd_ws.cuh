@@ -98,7 +98,8 @@ __device__ __forceinline__ void publish(u32 bar) {
 enum : int { kLoadLanes = 64 };
 
 template <class C, bool kDeterministic, class P>
-__device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int t) {
+__device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layout<C>& sm, int batch, int hk, int kv0,
+                                          int t) {
   using S = bwd_wgmma::Shape<C>;
   constexpr int kBr = C::kBr;
   bwd_wgmma::load_tile_async<C::kBc, S::kChunks, kLoadLanes>(sm.k, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, p.kv_len, t);
@@ -111,10 +112,23 @@ __device__ __forceinline__ void load_warp(const P& p, const Layout<C>& sm, int b
     const int s = n & 1;
     tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
     const int head = hk * p.kv_group + tile.g;
-    bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.q + s * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh, p.q_sn, tile.q0,
-                                           p.q_len, t);
-    bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn,
-                                           tile.q0, p.q_len, t);
+    if (p.tma_loads) {  // one thread: the tensor copies complete the stage's bytes themselves
+      if (t == 0) {
+        tma::arrive_expect_tx(sm.q_full(s), 2 * S::kQBytes);
+#pragma unroll
+        for (int c = 0; c < C::kHeadDim / wgmma::kBlockCols; ++c) {
+          const u32 at = s * S::kQBytes + c * kBr * wgmma::kSwizzleBytes;
+          tma::load_4d(sm.q + at, &maps.q_map, sm.q_full(s), c * wgmma::kBlockCols, tile.q0, head, batch);
+          tma::load_4d(sm.dout + at, &maps.do_map, sm.q_full(s), c * wgmma::kBlockCols, tile.q0, head, batch);
+        }
+      }
+    } else {
+      bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.q + s * S::kQBytes, p.q + batch * p.q_sb + head * p.q_sh,
+                                                              p.q_sn, tile.q0, p.q_len, t);
+      bwd_wgmma::load_tile_async<kBr, S::kChunks, kLoadLanes>(sm.dout + s * S::kQBytes,
+                                                              p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn, tile.q0,
+                                                              p.q_len, t);
+    }
     bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
     if (kStagedBits && tile.type == kPartial && t < kBr) {  // its bits, a thread per q row (bwd_wgmma.cuh)
       const int pidx = bwd::partial_index(p, batch, head, kv0, tile);
@@ -354,7 +368,7 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
 
 // ================================================================ the kernel body
 template <class C, class F, bool kDeterministic, class P>
-__device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
+__device__ __forceinline__ void kv_tile_backward(const P& p, const P& maps, unsigned char* smem_raw) {
   using S = bwd_wgmma::Shape<C>;
   using R = Registers<S::kWarpgroups>;
   static_assert(S::kWarpSpecialized, "a producer warpgroup and kBc / 64 consumer warpgroups");
@@ -368,7 +382,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      tma::barrier_init(sm.q_full(s), kLoadLanes);            // every loader thread, its copies landed
+      // every loader thread, its copies landed; with TMA loads also the expect-tx arrival
+      tma::barrier_init(sm.q_full(s), kLoadLanes + (p.tma_loads ? 1 : 0));
       tma::barrier_init(sm.q_empty(s), S::kConsumerThreads);  // every consumer thread
     }
     tma::barrier_init(sm.kv_full(), kLoadLanes);
@@ -380,7 +395,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   if (warp < 4) {
     tma::release_registers<R::kProducer>();
     if (warp == 0 || warp == 2) {
-      load_warp<C, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, (warp / 2) * 32 + tid % 32);
+      load_warp<C, kDeterministic>(p, maps, sm, cta.batch, cta.hk, kv0, (warp / 2) * 32 + tid % 32);
     } else if (warp == 1) {
       dq_warp<C, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, tid % 32);
     }

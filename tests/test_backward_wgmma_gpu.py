@@ -66,6 +66,28 @@ def test_wgmma_tiles_and_tails(head_dim, dtype, mask_kind, n):
     check_backward(seed, q, k, v, dense, dtype, block_mask=bm, causal=causal)
 
 
+@pytest.mark.parametrize("layout,by_tma", [("contiguous", True), ("bnhd", True), ("reversed", False)])
+def test_ws_loads_q_and_dout_by_tma_where_it_can(monkeypatch, layout, by_tma):
+    """The warp-specialized kernel (D = 128, kv blocks of 128) loads Q and dO through tensor maps
+    where TMA can address them (positive strides, multiples of 16 bytes) and by cp.async otherwise
+    (negative strides here): each path checked against float64."""
+    seed = new_seed()
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, 4, 333, 128, "fp16", Hkv=2)
+    bm, causal, dense = mask_for("mixed", rng, 2, 4, 333, 333)
+    chosen = []
+    tensor_maps = backward_op._tensor_maps
+
+    def recording(variant, *args):
+        maps = tensor_maps(variant, *args)
+        chosen.append((variant.warp_specialized, maps is not None))
+        return maps
+
+    monkeypatch.setattr(backward_op, "_tensor_maps", recording)
+    check_backward(seed, q, k, v, dense, "fp16", block_mask=bm, causal=causal, layout=layout)
+    assert chosen == [(True, by_tma)], f"(warp-specialized, tensor maps) per call: {chosen} (seed {seed})"
+
+
 def test_wgmma_kernels_ran():
     """Runs last in this module (pytest keeps file order): the cases above did reach the wgmma kernels."""
     print(f"backward calls by family in this module: {dict(FAMILIES_RUN)}")

@@ -92,6 +92,11 @@ BACKWARD = ParamStruct("BwdParams", (
     Param("bias", "ptr", "const void*", doc="[B|1, H|1, Nq|1, Nkv] fp16/bf16/fp32, or null (a constant: no dbias)"),
     Param("bias_sb", "i64"), Param("bias_sh", "i64"), Param("bias_sq", "i64"), Param("bias_sk", "i64"),
     Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
+    # The warp-specialized wgmma backward (kernels/bwd_ws.cuh) loads Q and dO with TMA where the
+    # inputs allow it (omnicupy/ops/tma.py encodes the maps); the other kernels never read these.
+    Param("tma_loads", "i32", doc="1: q_map and do_map are valid and Q/dO load through them; 0: cp.async"),
+    Param("q_map", "tmap", doc="q as (D, Nq, Hq, B), box (64, br, 1, 1), 128-byte swizzle"),
+    Param("do_map", "tmap", doc="dout as (D, Nq, Hq, B), box (64, br, 1, 1)"),
 ))
 
 #: Split-KV decode (templates/attention_decode.cu.jinja, kernels/decode_split.cuh): one CTA per

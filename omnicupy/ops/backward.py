@@ -29,7 +29,7 @@ from ..dispatch.variant import BWD_ROW_WARPS
 from ..errors import ArgumentError, CompileError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
-from . import recall
+from . import recall, tma
 from .backward_index import backward_index, dq_ranks
 from .forward import Extras, _bias_fields, _element_strides, resolve_mask, steady_mask
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
@@ -200,6 +200,17 @@ def _mask_tables(bm: BlockMask, kv_tile: int, deterministic: bool, cp) -> tuple:
     return tables
 
 
+def _tensor_maps(variant, inp: Inputs, dout) -> Optional[tma.MapWriter]:
+    """The warp-specialized kernel's Q and dO tensor maps (ops/tma.py), or None: another kernel, or
+    inputs TMA cannot address; that kernel then copies Q and dO with cp.async (``tma_loads`` 0)."""
+    if not variant.warp_specialized:
+        return None
+    if tma.unusable(variant, {"q": inp.q, "dout": dout}, inp.dtype) is not None:
+        return None
+    return tma.MapWriter.of(BACKWARD, ("q_map", "do_map"), (inp.q, dout), (variant.br, variant.br),
+                            (POINTER_FIELDS.index("q"), POINTER_FIELDS.index("dout")), inp.dtype)
+
+
 def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float, plan: Plan,
             extras: BackwardExtras, deterministic: bool) -> recall.Recipe:
     cp = arrays.cupy_module()
@@ -239,11 +250,15 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         **_bias_fields(extras.bias),
         "user_arrays": user_arrays,
     }
+    maps = _tensor_maps(variant, inp, dout)
+    fields.update(tma_loads=int(maps is not None), q_map=None, do_map=None)
+    if maps is not None:
+        fields.update(maps.fields(inp.q.data.ptr, dout.data.ptr))
     row_block, rows = (32 * BWD_ROW_WARPS, 1, 1), variant.row_kernel_rows  # both from dispatch/variant.py
     launches = [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
                 KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
                 KernelLaunch(convert, (cdiv(Nq, rows), Hq, B), row_block)]
-    recipe = recall.Recipe.make(main, plan, fields, BACKWARD, pointer_fields=POINTER_FIELDS, launches=launches,
+    recipe = recall.Recipe.make(main, plan, fields, BACKWARD, maps, pointer_fields=POINTER_FIELDS, launches=launches,
                                 workspace=workspace)
     scratch, parts = workspace.allocate(cp)
     recipe.launch(*(x.data.ptr for x in (inp.q, inp.k, inp.v, out, dout, lse, dq, dk, dv)), *parts)

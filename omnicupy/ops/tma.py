@@ -1,4 +1,5 @@
-"""TMA tensor maps for the tma forward family, and whether a call's inputs allow them.
+"""TMA tensor maps for the tma forward family and the warp-specialized backward, and whether a
+call's inputs allow them.
 
 The tma kernels (templates/attention_fwd_tma.cu.jinja) load q, k and v with TMA, which reads a
 tensor through a tensor map: a 128-byte descriptor that the CUDA driver encodes on the host
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import arrays
+from ..dispatch.abi import ParamStruct
 from ..dispatch.params import FORWARD_TMA
 from ..dispatch.variant import Variant
 from ..errors import OmnicupyError
@@ -105,7 +107,8 @@ class TensorLayout:
 
 
 def unusable(variant: Variant, tensors: dict[str, Any], dtype: str) -> Optional[str]:
-    """Why the tma family cannot run on these inputs ({"q": q, "k": k, "v": v}), or None."""
+    """Why TMA cannot read these inputs ({name: array}: q, k, v for the tma forward; q, dout for the
+    warp-specialized backward), or None."""
     if variant.head_dim % BOX_COLS:
         return f"head_dim {variant.head_dim} is not a multiple of {BOX_COLS}"
     for name, x in tensors.items():
@@ -148,44 +151,56 @@ def encode(ptr: int, layout: TensorLayout, box_rows: int) -> bytes:
 
 @dataclass(frozen=True)
 class MapWriter:
-    """The tensor-map fields of one call signature: q, k, v layouts and boxes are fixed; the maps
+    """The tensor-map fields of one call signature: the inputs' layouts and boxes are fixed; the maps
     follow the data pointers (encoded once per pointer, ``encode``'s cache). A steady-state call
-    writes the three maps as one 384-byte copy, looked up by its (q, k, v) pointers alone: hashing
-    the layouts for ``encode``'s cache on every call cost more than the rest of the write."""
+    writes its maps as one copy, looked up by their pointers alone: hashing the layouts for
+    ``encode``'s cache on every call cost more than the rest of the write.
 
-    layouts: tuple[TensorLayout, TensorLayout, TensorLayout]
-    boxes: tuple[int, int, int]
-    #: (q, k, v pointers) -> the three maps' bytes in field order; cleared when it reaches WRITER_CACHE_SIZE
+    ``names``: the map fields, adjacent in ``params`` (one slice of the packed struct holds them);
+    ``positions``: where each input's pointer sits among the pointers a recipe launches with."""
+
+    params: ParamStruct
+    names: tuple[str, ...]
+    layouts: tuple[TensorLayout, ...]
+    boxes: tuple[int, ...]
+    positions: tuple[int, ...]
+    start: int  # byte offset of the first map in the packed struct
+    #: pointers -> the maps' bytes in field order; cleared when it reaches WRITER_CACHE_SIZE
     _blobs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def make(cls, variant: Variant, q: Any, k: Any, v: Any, dtype: str) -> "MapWriter":
-        layouts = tuple(TensorLayout.of(x, dtype) for x in (q, k, v))
-        return cls(layouts, (variant.br, variant.bc, variant.bc))
+        """The tma forward's q, k, v maps (FwdTmaParams; pointers q, k, v first)."""
+        return cls.of(FORWARD_TMA, ("q_map", "k_map", "v_map"), (q, k, v), (variant.br, variant.bc, variant.bc),
+                      (0, 1, 2), dtype)
 
-    def fields(self, q_ptr: int, k_ptr: int, v_ptr: int) -> dict[str, bytes]:
-        """{"q_map": ..., "k_map": ..., "v_map": ...} for these data pointers (FwdTmaParams)."""
+    @classmethod
+    def of(cls, params: ParamStruct, names: tuple[str, ...], tensors: tuple, boxes: tuple[int, ...],
+           positions: tuple[int, ...], dtype: str) -> "MapWriter":
+        start = params.offset(names[0])
+        if [params.offset(n) for n in names] != list(range(start, start + len(names) * MAP_BYTES, MAP_BYTES)):
+            raise TmaError(f"{params.name}: the tensor maps {names} must be adjacent fields")
+        return cls(params, tuple(names), tuple(TensorLayout.of(x, dtype) for x in tensors), tuple(boxes),
+                   tuple(positions), start)
+
+    def fields(self, *pointers: int) -> dict[str, bytes]:
+        """{map field: its bytes} for these data pointers (one per input, in ``names``' order)."""
         return {name: encode(ptr, layout, box)
-                for name, ptr, layout, box in zip(_MAP_FIELDS, (q_ptr, k_ptr, v_ptr), self.layouts, self.boxes)}
+                for name, ptr, layout, box in zip(self.names, pointers, self.layouts, self.boxes)}
 
     def __call__(self, buf: Any, pointers: tuple[int, ...]) -> None:
-        """Writes the maps of pointers (q, k, v, ...) into a packed FwdTmaParams."""
-        key = pointers[:3]
+        """Writes the maps of a launch's pointers (all of them, in the recipe's order) into the
+        packed struct ``buf``."""
+        key = tuple(pointers[i] for i in self.positions)
         blob = self._blobs.get(key)
         if blob is None:
             if len(self._blobs) >= WRITER_CACHE_SIZE:
                 self._blobs.clear()
             blob = self._blobs[key] = b"".join(self.fields(*key).values())
-        buf[_MAPS_START:_MAPS_END] = blob
+        buf[self.start:self.start + len(blob)] = blob
 
 
-_MAP_FIELDS = ("q_map", "k_map", "v_map")
-#: The three maps are adjacent fields of FwdTmaParams (checked here, once): one slice holds them.
-_MAPS_START = FORWARD_TMA.offset(_MAP_FIELDS[0])
-_MAPS_END = _MAPS_START + len(_MAP_FIELDS) * MAP_BYTES
-if [FORWARD_TMA.offset(n) for n in _MAP_FIELDS] != list(range(_MAPS_START, _MAPS_END, MAP_BYTES)):
-    raise ImportError("omnicupy: FwdTmaParams' tensor maps must be adjacent fields (q_map, k_map, v_map)")
-#: Pointer triples kept per MapWriter (one call signature); each entry 384 bytes plus its key.
+#: Pointer tuples kept per MapWriter (one call signature); each entry 128 bytes per map plus its key.
 WRITER_CACHE_SIZE = 64
 
 __all__ = ["MapWriter", "TensorLayout", "TmaError", "available", "encode", "unusable"]
