@@ -6,8 +6,13 @@
 //
 //   producer (warpgroup 0, registers given to the consumers)
 //     warps 0, 2  loaders: K and V once, then per q tile Q, dO, LSE and delta into a two-deep
-//             ring (cp.async into the 128-byte swizzled layout; after its copies land each thread
-//             fences them for the async proxy and arrives on the stage's "full" mbarrier)
+//             ring. Q and dO come by TMA where the host could encode tensor maps (p.tma_loads:
+//             one thread announces their bytes on the stage's "full" mbarrier, which the copies
+//             complete); else, like LSE, delta and a PARTIAL tile's bits, by cp.async into the
+//             128-byte swizzled layout, each thread fencing its landed copies for the async proxy
+//             and arriving on "full". Issuing Q and dO by cp.async took the loaders ~5,100 of
+//             their ~5,800 cycles per q tile, and the consumers waited ~1,100 per tile for them
+//             (NOTES.md §33)
 //     warp 1  dQ writer: per q tile, once the consumers have staged dQ (fp32, the accumulator's
 //             tile layout, kernels/dq_tiles.cuh), adds it to the workspace with bulk reductions
 //             and frees the staging buffer when they have read it; deterministic mode waits for
