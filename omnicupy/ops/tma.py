@@ -1,7 +1,8 @@
 """TMA tensor maps for the tma forward family and the warp-specialized backward, and whether a
 call's inputs allow them.
 
-The tma kernels (templates/attention_fwd_tma.cu.jinja) load q, k and v with TMA, which reads a
+The tma kernels (templates/attention_fwd_tma.cu.jinja) load q, k and v with TMA (the
+warp-specialized backward, kernels/bwd_ws.cuh, q and dout), which reads a
 tensor through a tensor map: a 128-byte descriptor that the CUDA driver encodes on the host
 (``cuTensorMapEncodeTiled``, called through NVIDIA's ``cuda-bindings``; no hand-written driver
 prototypes). Each input is described as the rank-4 tensor (D, N, H, B), innermost first, with its
@@ -11,7 +12,8 @@ layout of kernels/wgmma.cuh; rows past the sequence's end come back as zeros.
 A map holds the tensor's address, so it is encoded per (pointer, shape, strides, dtype, box) and
 cached: a steady-state call on the same buffers encodes nothing. What TMA cannot express (no
 cuda-bindings, strides that are not positive multiples of 16 bytes, a base not 16-byte aligned)
-is reported by ``unusable()``; the caller then plans the wgmma family instead.
+is reported by ``unusable()``; the forward then plans the wgmma family instead, and the backward
+copies Q and dO with cp.async in the same kernel (``tma_loads`` 0).
 
 Knows the tma family's boxes and the driver's encode call; nothing of masks or launches.
 """
@@ -52,15 +54,16 @@ def _driver() -> Optional[Any]:
     try:
         from cuda.bindings import driver
     except ImportError:
-        _log.warning("omnicupy: the tma kernels need NVIDIA's cuda-bindings (pip install cuda-bindings); "
-                     "using the wgmma family instead")
+        _log.warning("omnicupy: TMA tensor maps need NVIDIA's cuda-bindings (pip install cuda-bindings); "
+                     "the forward uses the wgmma family instead, the backward cp.async copies")
         return None
     try:  # already initialised by CuPy's runtime in practice; cheap and idempotent
         err, = driver.cuInit(0)
     except Exception as exc:  # noqa: BLE001 - no driver library (a CPU-only machine)
         err = exc
     if not isinstance(err, driver.CUresult) or int(err) != 0:
-        _log.warning(f"omnicupy: the CUDA driver is not usable for tensor maps ({err}); using the wgmma family")
+        _log.warning(f"omnicupy: the CUDA driver is not usable for tensor maps ({err}); the forward uses the "
+                     "wgmma family, the backward cp.async copies")
         return None
     return driver
 
