@@ -81,8 +81,8 @@ struct Shape {
 // alignment slack, K, V, kStages Q and dO tiles, dSᵀ (padded rows), then LSE and delta per stage.
 // Per stage also a PARTIAL q tile's bits over the kv tile (Shape::kBitsRowBytes per q row).
 // Warp-specialized (kernels/bwd_ws.cuh): also the q tile's fp32 dQ staging, a second dSᵀ buffer
-// and the mbarriers (kWsBarriers of 8 bytes).
-enum : int { kWsBarriers = 8 };
+// and the mbarriers and q-tile records (kWsBarriers slots of 8 bytes).
+enum : int { kWsBarriers = 8 + 3 * 4 };  // 8 mbarriers, then three 32-byte q-tile records (bwd_ws.cuh)
 template <class C>
 struct Smem {
   using S = Shape<C>;

@@ -27,9 +27,13 @@
 // (rarely) the writer's reads of the previous dQ. The single-warpgroup kernel waited on its own
 // copies, three CTA barriers and the previous tile's reductions (NOTES.md §23).
 //
-// Every mbarrier completes once per q tile (kv_full once per CTA): the q-tile counter n gives the
-// stage (n % 2) and each barrier's parity. Producer and consumers walk the same q tiles
-// (bwd::next_q_tile, each its own copy of the walk), so their counts agree.
+// Every mbarrier completes once per q tile (kv_full once per CTA), and "full" and "dQ full" once
+// more for the end: the q-tile counter n gives the stage (n % 2) and each barrier's parity. Only
+// the loaders walk the q tiles (bwd::next_q_tile, a chain of dependent global loads): thread 0
+// writes each tile's record (QTile) beside its stage, and the end as a record past the last
+// tile; the consumers pass each record on to the writer with the tile's dQ. (Three walks, one
+// per role, had each read the transposed index from L1, which the deterministic writer's
+// completion waits and acquire loads invalidate on every q tile: NOTES.md §33.)
 #pragma once
 #include "bwd_wgmma.cuh"
 #include "tma.cuh"
@@ -78,12 +82,17 @@ struct Layout {
     delta = lse + C::kStages * C::kBr;
     bits = smem_u32(delta + C::kStages * C::kBr);  // [2][kBr] a PARTIAL tile's bits (kBitsRowBytes per row)
     bars = bits + C::kStages * C::kBr * S::kBitsRowBytes;
+    info_ptr = raw + (bars + 64 - base);
   }
   __device__ __forceinline__ u32 q_full(int s) const { return bars + 8 * s; }
   __device__ __forceinline__ u32 q_empty(int s) const { return bars + 16 + 8 * s; }
   __device__ __forceinline__ u32 kv_full() const { return bars + 32; }
   __device__ __forceinline__ u32 dq_full() const { return bars + 40; }
   __device__ __forceinline__ u32 dq_empty() const { return bars + 48; }
+  // q-tile records (32 bytes each after the 8 mbarriers): [stage] the loader's, read by the
+  // consumers after "full"; [2] the consumers', read by the writer after "dQ full"
+  __device__ __forceinline__ QTile* info(int i) const { return reinterpret_cast<QTile*>(info_ptr + 32 * i); }
+  unsigned char* info_ptr;
 };
 
 // This lane's copies have landed; made visible to the async proxy (wgmma) before the arrival
@@ -113,9 +122,15 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
   constexpr bool kStagedBits = C::kHasPartial && !C::kFuseMask;
   static_assert(kLoadLanes >= kBr, "a loader thread per q row of bits");
   QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
-  for (int n = 0; tile.g < p.kv_group; ++n) {
+  for (int n = 0;; ++n) {
     const int s = n & 1;
     tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
+    if (t == 0) *sm.info(s) = tile;  // the walk's record for the consumers, published with the stage
+    if (tile.g >= p.kv_group) {  // the end of the walk, announced like a q tile
+      if (p.tma_loads && t == 0) tma::arrive(sm.q_full(s));  // the arrival the copies' expect-tx would make
+      publish(sm.q_full(s));
+      break;
+    }
     const int head = hk * p.kv_group + tile.g;
     if (p.tma_loads) {  // one thread: the tensor copies complete the stage's bytes themselves
       if (t == 0) {
@@ -157,9 +172,14 @@ template <class C, bool kDeterministic, class P>
 __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int lane) {
   constexpr int kBr = C::kBr, kBlocks = C::kHeadDim / dq_tiles::kCols;
   const int kv_block = kv0 / p.kv_block_size, kv_in_block = kv0 - kv_block * p.kv_block_size;
-  QTile t = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
-  for (int n = 0; t.g < p.kv_group; ++n) {
+  for (int n = 0;; ++n) {
     tma::wait(sm.dq_full(), n & 1);
+    // The consumers' record of this q tile, read by lane 0 alone (the lane whose "dQ empty" lets
+    // them rewrite it) and shared with the warp.
+    QTile t{};
+    if (lane == 0) t = *sm.info(2);
+    t.g = __shfl_sync(0xffffffffu, t.g, 0);
+    if (t.g >= p.kv_group) break;
     if (lane == 0) {
       const int head = hk * p.kv_group + t.g;
       const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
@@ -187,7 +207,6 @@ __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int bat
       tma::arrive(sm.dq_empty());
     }
     __syncwarp();
-    t = bwd::next_q_tile<C>(p, batch, hk, kv0, t.g, t.slot, t.tile + 1, kDeterministic);
   }
   if (lane == 0) bulk_wait<0>();  // the last reductions, before the CTA's shared memory goes
 }
@@ -240,11 +259,13 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;
   const bool kv_tail = kv0 + kBc > p.kv_len;
 
-  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
-  if (cur.g < group) tma::wait(sm.kv_full(), 0);
-  for (int n = 0; cur.g < group; ++n) {
+  int n = 0;
+  for (;; ++n) {
     const int s = n & 1;
     tma::wait(sm.q_full(s), (n >> 1) & 1);
+    const QTile cur = *sm.info(s);  // the loader's walk (one walk per CTA, in the loader)
+    if (cur.g >= group) break;
+    if (n == 0) tma::wait(sm.kv_full(), 0);
     const int head = hk * group + cur.g;
     const int q0 = cur.q0;
     const u32 buf_off = s * S::kQBytes;
@@ -327,7 +348,6 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     // written next (tile n + 1) was last read by every consumer's ldmatrix of tile n - 1, before
     // each of them arrived here for tile n.
     tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
-    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, kDeterministic);
     wgmma::wait<0>();
     hold(p_t[0]);
     hold(ds_t[0]);
@@ -359,9 +379,13 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
       bwd_wgmma::stage_dq(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4, (lane % 4) * 2);
     }
     wgmma::fence_proxy_async();  // the staged rows (generic stores) are read by the async proxy
+    if (ctid == 0) *sm.info(2) = cur;  // for the writer (it read tile n - 1's before "dQ empty")
     tma::arrive(sm.dq_full());
-    cur = nxt;
   }
+  // The end, for the writer: once it has read tile n - 1's record, "dQ full" with an end record.
+  tma::wait(sm.dq_empty(), (n & 1) ^ 1);
+  if (ctid == 0) *sm.info(2) = QTile{group, 0, 0, 0, kMasked, 0};
+  tma::arrive(sm.dq_full());
 
   // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
   // Staged in the Q and dO ring (kBc rows of 256 bytes each), once every consumer's products,

@@ -68,9 +68,10 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 #: The warp-specialized wgmma backward (kernels/bwd_ws.cuh): a producer warpgroup (two loader
 #: warps and a dQ writer warp) beside two consumer warpgroups (bc = 128), and its shared memory
 #: beyond the plain kernel's: the q tile's fp32 dQ staging, a second dSᵀ buffer, 8 mbarrier slots
-#: of 8 bytes.
+#: of 8 bytes, and three 32-byte q-tile records (the loader's walk, handed to the consumers per
+#: stage and by them to the dQ writer).
 WS_BWD_PRODUCER_WARPS = 4
-WS_BWD_BARRIER_BYTES = 64
+WS_BWD_BARRIER_BYTES = 64 + 3 * 32
 SWIZZLE_ATOM_BYTES = 1024  # alignment slack for the wgmma family's swizzled tiles
 #: tma family: the producer warpgroup's warps (one thread issues the loads), and the shared memory
 #: its mbarriers take after the tiles (q full, then full/empty of K and V per stage: 8 bytes each).
