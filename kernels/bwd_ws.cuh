@@ -163,9 +163,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
     }
     publish(sm.q_full(s));
     tile = next;
-  }
-  cp_async_commit();  // a kv tile that no q tile sees: its K and V land before the CTA ends
-  cp_async_wait<0>();
+  }  // (every exit publishes the end record, whose wait lands the last copies, K and V included)
 }
 
 template <class C, bool kDeterministic, class P>

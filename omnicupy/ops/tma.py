@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import arrays
 from ..dispatch.abi import ParamStruct
@@ -159,15 +160,15 @@ class MapWriter:
     writes its maps as one copy, looked up by their pointers alone: hashing the layouts for
     ``encode``'s cache on every call cost more than the rest of the write.
 
-    ``names``: the map fields, adjacent in ``params`` (one slice of the packed struct holds them);
-    ``positions``: where each input's pointer sits among the pointers a recipe launches with."""
+    ``names``: the map fields, adjacent in the struct (one slice of the packed struct, from byte
+    ``start``, holds them); ``key``: picks the inputs' pointers out of the pointers a recipe launches
+    with (an ``operator.itemgetter``: a steady-state call does no Python-level loop here)."""
 
-    params: ParamStruct
     names: tuple[str, ...]
     layouts: tuple[TensorLayout, ...]
     boxes: tuple[int, ...]
-    positions: tuple[int, ...]
-    start: int  # byte offset of the first map in the packed struct
+    key: Callable[[tuple], tuple]
+    start: int
     #: pointers -> the maps' bytes in field order; cleared when it reaches WRITER_CACHE_SIZE
     _blobs: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -183,8 +184,10 @@ class MapWriter:
         start = params.offset(names[0])
         if [params.offset(n) for n in names] != list(range(start, start + len(names) * MAP_BYTES, MAP_BYTES)):
             raise TmaError(f"{params.name}: the tensor maps {names} must be adjacent fields")
-        return cls(params, tuple(names), tuple(TensorLayout.of(x, dtype) for x in tensors), tuple(boxes),
-                   tuple(positions), start)
+        if len(positions) < 2:
+            raise TmaError("a MapWriter writes two maps or more (itemgetter of one position returns no tuple)")
+        return cls(tuple(names), tuple(TensorLayout.of(x, dtype) for x in tensors), tuple(boxes),
+                   operator.itemgetter(*positions), start)
 
     def fields(self, *pointers: int) -> dict[str, bytes]:
         """{map field: its bytes} for these data pointers (one per input, in ``names``' order)."""
@@ -194,7 +197,7 @@ class MapWriter:
     def __call__(self, buf: Any, pointers: tuple[int, ...]) -> None:
         """Writes the maps of a launch's pointers (all of them, in the recipe's order) into the
         packed struct ``buf``."""
-        key = tuple(pointers[i] for i in self.positions)
+        key = self.key(pointers)
         blob = self._blobs.get(key)
         if blob is None:
             if len(self._blobs) >= WRITER_CACHE_SIZE:
