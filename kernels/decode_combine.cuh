@@ -45,39 +45,69 @@ __device__ __forceinline__ float2 load_partial2(const float* p) {
 // One output row from `splits` partial rows (row `row` of [splits, rows, D] and [splits, rows, 2]),
 // by one warp: writes the kHeadDimValid elements at `dst` and, when lse is non-null, *lse. The
 // partial rows keep the tile's stride kHeadDim (wider than the caller's when padded).
+//
+// Written for memory latency, not arithmetic: every load's address is known up front and no
+// branch waits for a loaded value, so the loads of many splits are in flight together (the fused
+// tail used to wait one L2 round trip per split: 16 splits took ~5 µs, NOTES.md §35).
+//   1. Lane l reads (m, l) of splits l, l + 32, ...: one round trip per 32 splits; the warp merges
+//      the lanes' running (max, sum) into M and sum_s w_s l_s.
+//   2. Per 32 splits, lane l holds w of split 32 c + l (the first 32 from step 1, no reload); the
+//      rows are read kBatch splits at a time, all loads issued before any is used, and each
+//      split's weight comes by a shuffle. An empty split has w = 0 and zero rows.
 template <int kHeadDim, int kHeadDimValid, class Mma, bool kCoherent>
 __device__ __forceinline__ void merge_row(const float* part_o, const float* part_ml, i64 rows, int splits, i64 row,
                                           u16* dst_row, float* lse, int lane) {
   constexpr int kPairs = kHeadDimValid / 2;  // the caller's columns
   constexpr int kSteps = (kPairs + 31) / 32;
+  constexpr int kBatch = kSteps <= 2 ? 8 : 4;  // splits whose rows are loaded together (32 registers)
+  static_assert(32 % kBatch == 0, "batches inside one 32-split chunk");
   constexpr float kLn2 = 0.69314718055994531f;
-  float mx = neg_inf();
-  for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, load_partial<kCoherent>(part_ml + (s * rows + row) * 2));
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
-  float sum = 0.f;
+  const auto weight = [](float m, float mx) { return m == neg_inf() ? 0.f : exp2_approx(m - mx); };
+
+  // ---- 1. M and sum_s w_s l_s: each lane's running pair, then the warp's
+  float m_lane = neg_inf(), l_lane = 0.f, m_first = neg_inf();
   for (int s = lane; s < splits; s += 32) {
     const float2 ml = load_partial2<kCoherent>(part_ml + (s * rows + row) * 2);
-    if (ml.x != neg_inf()) sum += exp2_approx(ml.x - mx) * ml.y;
+    if (s == lane) m_first = ml.x;
+    const float m_new = fmaxf(m_lane, ml.x);
+    l_lane = l_lane * weight(m_lane, m_new) + ml.y * weight(ml.x, m_new);
+    m_lane = m_new;
   }
+  float mx = m_lane;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, shfl_xor(mx, o));
+  float sum = l_lane * weight(m_lane, mx);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += shfl_xor(sum, o);
 
+  // ---- 2. sum_s w_s acc_s
   float2 acc[kSteps];
 #pragma unroll
   for (int i = 0; i < kSteps; ++i) acc[i] = make_float2(0.f, 0.f);
-  for (int s = 0; s < splits; ++s) {
-    const float m = load_partial<kCoherent>(part_ml + (s * rows + row) * 2);  // one address: a broadcast
-    if (m == neg_inf()) continue;                                              // an empty split adds nothing
-    const float w = exp2_approx(m - mx);
-    const float* src = part_o + (s * rows + row) * kHeadDim;
+  for (int c0 = 0; c0 < splits; c0 += 32) {
+    const int s_lane = c0 + lane;
+    const float m = c0 == 0 ? m_first : (s_lane < splits ? load_partial<kCoherent>(part_ml + (s_lane * rows + row) * 2)
+                                                         : neg_inf());
+    const float w_lane = weight(m, mx);
+    for (int b0 = c0; b0 < min(c0 + 32, splits); b0 += kBatch) {
+      float2 v[kBatch][kSteps];
 #pragma unroll
-    for (int i = 0; i < kSteps; ++i) {
-      const int pair = i * 32 + lane;
-      if (pair < kPairs) {
-        const float2 v = load_partial2<kCoherent>(src + 2 * pair);
-        acc[i].x = fmaf(w, v.x, acc[i].x);
-        acc[i].y = fmaf(w, v.y, acc[i].y);
+      for (int j = 0; j < kBatch; ++j) {
+        const float* src = part_o + ((b0 + j) * rows + row) * kHeadDim;
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+          const int pair = i * 32 + lane;
+          v[j][i] = b0 + j < splits && pair < kPairs ? load_partial2<kCoherent>(src + 2 * pair) : make_float2(0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, b0 + j - c0);  // 0 past the last split (its v is 0 too)
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+          acc[i].x = fmaf(w, v[j][i].x, acc[i].x);
+          acc[i].y = fmaf(w, v[j][i].y, acc[i].y);
+        }
       }
     }
   }
