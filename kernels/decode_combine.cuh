@@ -49,20 +49,34 @@ __device__ __forceinline__ float2 load_partial2(const float* p) {
 // Written for memory latency, not arithmetic: every load's address is known up front and no
 // branch waits for a loaded value, so the loads of many splits are in flight together (the fused
 // tail used to wait one L2 round trip per split: 16 splits took ~5 µs, NOTES.md §35).
-//   1. Lane l reads (m, l) of splits l, l + 32, ...: one round trip per 32 splits; the warp merges
-//      the lanes' running (max, sum) into M and sum_s w_s l_s.
+//   1. The rows of the first kBatch splits are requested first; while they travel, lane l reads
+//      (m, l) of splits l, l + 32, ... and the warp merges the lanes' running (max, sum) into M
+//      and sum_s w_s l_s.
 //   2. Per 32 splits, lane l holds w of split 32 c + l (the first 32 from step 1, no reload); the
-//      rows are read kBatch splits at a time, all loads issued before any is used, and each
-//      split's weight comes by a shuffle. An empty split has w = 0 and zero rows.
+//      rows arrive kBatch splits at a time, each batch requested whole before any of it is used,
+//      and each split's weight comes by a shuffle. An empty split has w = 0 and zero rows.
 template <int kHeadDim, int kHeadDimValid, class Mma, bool kCoherent>
 __device__ __forceinline__ void merge_row(const float* part_o, const float* part_ml, i64 rows, int splits, i64 row,
                                           u16* dst_row, float* lse, int lane) {
   constexpr int kPairs = kHeadDimValid / 2;  // the caller's columns
   constexpr int kSteps = (kPairs + 31) / 32;
-  constexpr int kBatch = kSteps <= 2 ? 8 : 4;  // splits whose rows are loaded together (32 registers)
+  constexpr int kBatch = kSteps <= 2 ? 16 : 8;  // splits whose rows are in flight together (64 registers)
   static_assert(32 % kBatch == 0, "batches inside one 32-split chunk");
   constexpr float kLn2 = 0.69314718055994531f;
   const auto weight = [](float m, float mx) { return m == neg_inf() ? 0.f : exp2_approx(m - mx); };
+  float2 v[kBatch][kSteps];  // one batch of rows: this lane's column pairs of splits b0 .. b0 + kBatch - 1
+  const auto load_batch = [&](int b0) {
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const float* src = part_o + ((b0 + j) * rows + row) * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < kSteps; ++i) {
+        const int pair = i * 32 + lane;
+        v[j][i] = b0 + j < splits && pair < kPairs ? load_partial2<kCoherent>(src + 2 * pair) : make_float2(0.f, 0.f);
+      }
+    }
+  };
+  load_batch(0);
 
   // ---- 1. M and sum_s w_s l_s: each lane's running pair, then the warp's
   float m_lane = neg_inf(), l_lane = 0.f, m_first = neg_inf();
@@ -90,16 +104,7 @@ __device__ __forceinline__ void merge_row(const float* part_o, const float* part
                                                          : neg_inf());
     const float w_lane = weight(m, mx);
     for (int b0 = c0; b0 < min(c0 + 32, splits); b0 += kBatch) {
-      float2 v[kBatch][kSteps];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const float* src = part_o + ((b0 + j) * rows + row) * kHeadDim;
-#pragma unroll
-        for (int i = 0; i < kSteps; ++i) {
-          const int pair = i * 32 + lane;
-          v[j][i] = b0 + j < splits && pair < kPairs ? load_partial2<kCoherent>(src + 2 * pair) : make_float2(0.f, 0.f);
-        }
-      }
+      if (b0 != 0) load_batch(b0);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const float w = __shfl_sync(0xffffffffu, w_lane, b0 + j - c0);  // 0 past the last split (its v is 0 too)
