@@ -278,8 +278,10 @@ def omnicupy_systems(gpu: Gpu, cache: Cache, names, *, window=None, lens_device=
         def contiguous(i, variant=variant):
             _configure(decode, br, variant)
             q, k, v = cache.contiguous(i)
-            return decode.decode_attention(q, k, v, kv_lens=lens_d if ragged else None,
-                                           causal="bottom_right" if causal else False)
+            # the public call (its steady state: the eager column is what a decode loop pays); it
+            # takes the split-KV kernel for these few query rows per kv head (decode.DECODE_MAX_ROWS)
+            return omnicupy.attention(q, k, v, kv_lens=lens_d if ragged else None,
+                                      causal="bottom_right" if causal else False)
         out[name] = (contiguous, {})
     for ps in (16, 64):
         name = f"omnicupy_paged{ps}"

@@ -62,6 +62,8 @@ CONTIGUOUS = [
     pytest.param(2, 4, 2, 1, 64, 64, "fp16", [0, 0], True, 3, None, id="all-empty"),
     pytest.param(1, 4, 4, 8, 64, 64, "fp16", [5], True, None, None, id="fewer-keys-than-queries"),
     pytest.param(2, 8, 1, 1, 4096, 128, "fp16", [4096, 4000], False, 64, None, id="many-splits-gqa8"),
+    # the merge's second 32-split chunk with its batches of 8 rows at D = 256, and empty splits in it
+    pytest.param(3, 8, 2, 1, 2000, 256, "fp16", [2000, 70, 1999], True, 40, None, id="d256-splits40-empty-splits"),
 ]
 
 
