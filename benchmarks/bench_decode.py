@@ -4,8 +4,8 @@
                                                     [--json results.json] [--quick]
 
 Parts (Hq 32, Hkv 8, D 128 unless said):
-  table    one query per sequence, batch x cache length in {1, 8, 32} x {8k, 32k, 128k}: omnicupy on a
-           contiguous cache and on paged caches (page sizes 16 and 64, NHD, pages in random order),
+  table    one query per sequence, batch x cache length in {1, 8, 32} x {8k, 32k, 128k}: omnicupy
+           (`attention()`) on a contiguous cache and on paged caches (page sizes 16 and 64, NHD, pages in random order),
            SDPA cuDNN and flash (enable_gqa), FlexAttention (torch.compile, enable_gqa);
   nq       Nq = 1, 4 and 16 queries per sequence (GQA 4:1), time relative to Nq = 1;
   window   paged, sliding window 4096 at kv_lens 128k against a 4096-long cache;
