@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - Windows
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from benchmarks import _cases  # noqa: E402
 from omnicupy import BlockMask, arrays, masks  # noqa: E402
-from omnicupy.mask import builders, kernels, patterns, pieces  # noqa: E402
+from omnicupy.mask import builders, kernels, patterns, pieces, pieces_build  # noqa: E402
 from omnicupy.mask.mask_mod import EVALUATE  # noqa: E402
 
 MASKS = ("causal", "sliding_window_1024", "document", "interleaved", "random_50", "random_10")
@@ -151,6 +151,9 @@ def peak_memory(build: Callable[[], Any], cp) -> int:
 
 #: (owner, attribute, step name): the builder steps timed by --steps.
 STEPS = [
+    (pieces_build, "build", "build from pieces on the device (all of it)"),
+    (kernels.KernelBackend, "pieces_scan", "  device: pieces scan kernel + read back (waits)"),
+    (kernels.KernelBackend, "pieces_layout", "  device: pieces layout kernel + check (waits)"),
     (builders._Build, "from_windows", "rows from the structure (all of it)"),
     (masks.MaskMod, "_windows_from_pieces", "  windows from the pieces"),
     (builders._Build, "_cut_blocks_from_pieces", "  cut blocks from the pieces"),

@@ -3,12 +3,16 @@ are the row bounds, and a build from the pieces lays out exactly what the row pa
 path (every block evaluated) and the element-level rule say."""
 from __future__ import annotations
 
+import logging
+import types
+
 import numpy as np
 import pytest
 
 from omnicupy import masks
 from omnicupy.errors import MaskError
-from omnicupy.mask import builders, layout, mask_mod, pieces
+from omnicupy import BlockMask
+from omnicupy.mask import builders, kernels, layout, mask_mod, pieces, pieces_build
 from omnicupy.reference import dense_mask_from_mod
 
 from mask_cases import MASK_CASES, alternating_segments, random_lengths
@@ -179,3 +183,85 @@ def test_builds_take_pieces_from_the_threshold_on(monkeypatch, q_len, from_piece
     monkeypatch.setattr(mask_mod, "PIECES_FROM_Q_BLOCKS", PIECES_FROM_Q_BLOCKS)
     chunks = list(masks.sliding_window(1024).windows(1, 1, q_len, q_len, 128, 128))
     assert (chunks[0].pieces is not None) is from_pieces
+
+
+# ------------------------------------------------------------------ builds from pieces on a device
+# pieces_build.py through kernels.EmulatedBackend (the kernels' contracts in NumPy): the host's part
+# of a device build (records sorted, pool entries by hash, offsets, summary) against the host path.
+# The kernels themselves are compared with the same host builds in tests/test_mask_kernels_gpu.py.
+class _HostAsDevice(types.ModuleType):
+    """NumPy under another name: builders take their device branch, with the emulated kernels."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+HOST_AS_DEVICE = _HostAsDevice("host_as_device")
+
+
+def assert_same_build(got: BlockMask, want: BlockMask, what: str) -> None:
+    assert_same_metadata(got, want, what)
+    assert got.features == want.features and got.summary.counts == want.summary.counts, what
+    np.testing.assert_array_equal(got.q_block_work, want.q_block_work, err_msg=what)
+
+
+@pytest.mark.parametrize("qbs, kbs", BLOCKS + [(256, 32), (48, 256)], ids=str)
+@pytest.mark.parametrize("q_len, kv_len", SIZES, ids=str)
+@pytest.mark.parametrize("factory", WITH_PIECES + EXTRA)
+def test_device_builds_from_pieces_equal_host_builds(factory, q_len, kv_len, qbs, kbs):
+    mod = factory(q_len, kv_len)
+    if mod.pieces is None:
+        pytest.skip("no pieces")
+    sizes = dict(q_block_size=qbs, kv_block_size=kbs)
+    assert pieces_build.applies(mod, kernels.EmulatedBackend(), qbs)
+    assert_same_build(builders.from_mask_mod(mod, None, 3, q_len, kv_len, xp=HOST_AS_DEVICE, **sizes),
+                      builders.from_mask_mod(mod, None, 3, q_len, kv_len, xp=np, **sizes), "device build")
+
+
+def test_a_scan_out_of_room_runs_again_with_room_for_every_record(monkeypatch):
+    mod = masks.document(masks.doc_ids_from_lengths(random_lengths(3000, 20, 300, seed=2)))
+    scans = []
+    real_scan = kernels.EmulatedBackend.pieces_scan
+
+    def scan(self, pieces_table, piece_count, sizes, capacity):
+        scans.append(capacity)
+        return real_scan(self, pieces_table, piece_count, sizes, capacity)
+
+    monkeypatch.setattr(kernels.EmulatedBackend, "pieces_scan", scan)
+    monkeypatch.setattr(pieces_build, "RECORDS_PER_Q_BLOCK", 0)
+    monkeypatch.setattr(pieces_build, "MIN_RECORDS", 3)
+    got = builders.from_mask_mod(mod, None, None, 3000, 3000, q_block_size=64, kv_block_size=64, xp=HOST_AS_DEVICE)
+    assert scans[0] == 3 and len(scans) == 2 and scans[1] > 3
+    assert_same_build(got, builders.from_mask_mod(mod, None, None, 3000, 3000, q_block_size=64, kv_block_size=64,
+                                                  xp=np), "second scan")
+
+
+def test_a_pool_entry_that_differs_from_its_blocks_falls_back_to_the_host_path(monkeypatch, caplog):
+    """Equal hashes, other bits (a collision: simulated) -> the build is the host path's, and it says so."""
+    mod = masks.interleaved(alternating_segments(2000, 100, 333))
+    real_layout = kernels.EmulatedBackend.pieces_layout
+    monkeypatch.setattr(kernels.EmulatedBackend, "pieces_layout",
+                        lambda *args: real_layout(*args)[:5] + (True,))
+    with caplog.at_level(logging.INFO, logger="omnicupy.mask"):
+        got = builders.from_mask_mod(mod, None, None, 2000, 2000, xp=HOST_AS_DEVICE)
+    assert "share a hash" in caplog.text
+    assert_same_build(got, builders.from_mask_mod(mod, None, None, 2000, 2000, xp=np), "fallback")
+
+
+@pytest.mark.parametrize("mod, backend, qbs, expected", [
+    pytest.param(masks.sliding_window(9), kernels.EmulatedBackend(), 256, True, id="pieces-on-a-device"),
+    pytest.param(masks.sliding_window(9), None, 128, False, id="on-the-host"),
+    pytest.param(masks.sliding_window(9), kernels.EmulatedBackend(), 272, False, id="q-blocks-over-256"),
+    pytest.param(masks.dilated_sliding_window(8, 3), kernels.EmulatedBackend(), 128, False, id="no-pieces"),
+    pytest.param(lambda b, h, q, kv: q >= kv, kernels.EmulatedBackend(), 128, False, id="a-plain-function"),
+])
+def test_which_builds_take_the_device_pieces_path(mod, backend, qbs, expected):
+    assert pieces_build.applies(mod, backend, qbs) is expected
+
+
+def test_the_pieces_table_is_five_rows_of_int64():
+    mod = masks.interleaved([("text", 10), ("image", 20), ("text", 5)])
+    t = pieces_build.table(mod)
+    assert t.dtype == np.int64 and t.shape == (5 * len(mod.pieces.q),)
+    np.testing.assert_array_equal(t.reshape(5, -1), np.stack([mod.pieces.q, mod.pieces.start, mod.pieces.start_slope,
+                                                              mod.pieces.end, mod.pieces.end_slope]))

@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import arrays
 from ..errors import MaskError
-from . import blocks, evaluate, zoo
+from . import blocks, evaluate, pieces_build, zoo
 from .block_mask import BlockMask, MaskSummary, RowRuns, _as_index_array, _check_positive_int, check_sizes
 from .evaluate import BroadcastFailure, ScalarEvaluator
 from .kernels import Backend, backend_for, precompile_specs
@@ -257,6 +257,12 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
         mask_mod.check_extent(B, q_len, kv_len)
         if use_structure and _is_causal(mask_mod) and build.nqb * build.nkvb <= CAUSAL_ROWS_MAX_SLOTS:
             return build.causal_rows()
+        if use_structure and pieces_build.applies(mask_mod, build.backend, qbs):
+            built = pieces_build.build(build.backend, mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs)
+            if built is not None:
+                return built
+            logger.info("mask_mod %s: two distinct partial blocks share a hash; built on the host path",
+                        name_of(mask_mod))
         if use_structure:
             windows = mask_mod.windows(Bm, Hm, q_len, kv_len, qbs, kbs)
     if windows is None:

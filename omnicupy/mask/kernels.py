@@ -15,6 +15,7 @@ and the kernels' contracts; the builders know what to ask.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import VariantError
-from . import blocks
-from .blocks import block_types, hash_multipliers
+from . import blocks, patterns
+from .blocks import PARTIAL, block_types, hash_multipliers
+from .mask_mod import CAUSAL, FULL, MASKED
 from .types import PARTIAL_WORD_BITS, cdiv, cpp_enum
 
 logger = logging.getLogger("omnicupy.mask")
@@ -35,6 +37,8 @@ TEMPLATES = {
     "gather": "mask_blocks.cu.jinja",
     "compare": "mask_blocks.cu.jinja",
     "indices": "mask_indices.cu.jinja",
+    "pieces_scan": "mask_pieces.cu.jinja",
+    "pieces_layout": "mask_pieces.cu.jinja",
 }
 CLASSIFY_WARPS = 8
 THREADS = 256
@@ -134,6 +138,22 @@ class Backend:
         ``layout.device_table``."""
         raise NotImplementedError
 
+    def stream(self) -> Any:
+        """A context in which a build that waits for the device runs (see ``KernelBackend.stream``)."""
+        return contextlib.nullcontext()
+
+    def pieces_scan(self, pieces, piece_count: int, sizes: tuple[int, int, int, int], capacity: int) -> np.ndarray:
+        """The first pass of a build from pieces (templates/mask_pieces.cu.jinja, ``pieces_scan``), read
+        back: host int64 ``[1 + 4 nQB + 2 capacity]`` (the counter, per q block stats, the records).
+        ``pieces``: the uploaded ``pieces_build.table``; ``sizes``: q_len, kv_len, qbs, kbs."""
+        raise NotImplementedError
+
+    def pieces_layout(self, pieces, piece_count: int, sizes: tuple[int, int, int, int], lookup: np.ndarray,
+                      partials: int, unique: int, max_blocks: int):
+        """The second pass: (counts [nQB], indices, types, pool indices or None [nQB, max_blocks], the pool
+        [unique, qbs, kbs / 32] or None, whether some PARTIAL block differs from its pool entry: read back)."""
+        raise NotImplementedError
+
 
 class KernelBackend(Backend):
     """The builder kernels on CuPy arrays, on the current device and stream."""
@@ -215,8 +235,55 @@ class KernelBackend(Backend):
                                                          counts, idx, types, pidx))
         return counts, idx, types, pidx if with_partial else None
 
+    def stream(self):
+        """A non-blocking stream of this device's own: a build that reads results back waits for
+        its own kernels only, not behind work queued on the caller's stream."""
+        cp = self.xp
+        device = cp.cuda.runtime.getDevice()
+        if device not in _build_streams:
+            _build_streams[device] = cp.cuda.Stream(non_blocking=True)
+        return _build_streams[device]
 
+    def pieces_scan(self, pieces, piece_count, sizes, capacity):
+        cp = self.xp
+        q_len, kv_len, qbs, kbs = sizes
+        nqb = cdiv(q_len, qbs)
+        out = cp.zeros(1 + 4 * nqb + 2 * capacity, dtype=np.int64)
+        multipliers = _device_multipliers(cp, qbs * kbs // PARTIAL_WORD_BITS)
+        load(MaskKernel("pieces_scan"))((nqb,), (pieces_threads(qbs),),
+                                        (pieces, np.int32(piece_count), np.int32(q_len), np.int32(kv_len),
+                                         np.int32(qbs), np.int32(kbs), multipliers, out, np.int32(capacity)))
+        return out.get()
+
+    def pieces_layout(self, pieces, piece_count, sizes, lookup, partials, unique, max_blocks):
+        cp = self.xp
+        q_len, kv_len, qbs, kbs = sizes
+        nqb = cdiv(q_len, qbs)
+        slots = nqb * max_blocks
+        arrays = 3 if unique else 2
+        out = cp.empty(nqb + arrays * slots, dtype=np.int32)  # one allocation, viewed as the arrays
+        counts, idx, types = out[:nqb], out[nqb:nqb + slots], out[nqb + slots:nqb + 2 * slots]
+        pidx = out[nqb + 2 * slots:] if unique else None
+        pool = cp.empty((unique, qbs, kbs // PARTIAL_WORD_BITS), dtype=np.uint32) if unique else None
+        differ = cp.zeros(1, dtype=np.int32)
+        load(MaskKernel("pieces_layout"))(
+            (nqb + unique,), (pieces_threads(qbs),),
+            (pieces, np.int32(piece_count), np.int32(q_len), np.int32(kv_len), np.int32(qbs), np.int32(kbs),
+             cp.asarray(lookup), np.int32(partials), np.int32(max_blocks), counts, idx, types,
+             np.intp(0) if pidx is None else pidx, np.intp(0) if pool is None else pool, differ))
+        shape = (nqb, max_blocks)
+        return (counts, idx.reshape(shape), types.reshape(shape), None if pidx is None else pidx.reshape(shape), pool,
+                bool(differ.get()[0]))
+
+
+#: A build's own stream per device (KernelBackend.stream).
+_build_streams: dict = {}
 _device_tables: dict = {}
+
+
+def pieces_threads(q_block_size: int) -> int:
+    """Threads of a pieces kernel's CTA: one per row of the q block, in whole warps."""
+    return cdiv(q_block_size, 32) * 32
 
 
 def _device_multipliers(cp, n_words: int):
@@ -284,6 +351,65 @@ class EmulatedBackend(Backend):
         idx = np.where(active, slot + (offsets[seg] if segments else 0), 0)
         return (counts.astype(np.int32), idx.astype(np.int32).reshape(shape), pick(kinds).astype(np.int32).reshape(shape),
                 pick(pool).astype(np.int32).reshape(shape) if with_partial else None)
+
+    def pieces_scan(self, pieces, piece_count, sizes, capacity):
+        q_len, kv_len, qbs, kbs = sizes
+        nqb = cdiv(q_len, qbs)
+        block, kv_block, types, codes = _pieces_blocks(np.asarray(pieces), piece_count, sizes)
+        partial = types == PARTIAL
+        stats = np.zeros((nqb, 4), dtype=np.int64)
+        for column, kind in ((1, FULL), (2, CAUSAL), (3, PARTIAL)):
+            stats[:, column] = np.bincount(block[types == kind], minlength=nqb)
+        stats[:, 0] = stats[:, 1:].sum(axis=1)
+        flat = block[partial] * cdiv(kv_len, kbs) + kv_block[partial]
+        hashes = blocks.block_hashes(patterns.packed_bits(codes[partial], kbs)) if partial.any() else np.zeros(0, np.uint64)
+        records = np.stack([flat, hashes.view(np.int64)], axis=1)[::-1][:capacity]  # in no particular order, as atomics
+        out = np.zeros(1 + 4 * nqb + 2 * capacity, dtype=np.int64)
+        out[0] = len(flat)
+        out[1:1 + 4 * nqb] = stats.reshape(-1)
+        out[1 + 4 * nqb:1 + 4 * nqb + records.size] = records.reshape(-1)
+        return out
+
+    def pieces_layout(self, pieces, piece_count, sizes, lookup, partials, unique, max_blocks):
+        q_len, kv_len, qbs, kbs = sizes
+        nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
+        block, kv_block, types, codes = _pieces_blocks(np.asarray(pieces), piece_count, sizes)
+        listed = types != MASKED
+        block, kv_block, types, codes = block[listed], kv_block[listed], types[listed], codes[listed]
+        counts = np.bincount(block, minlength=nqb).astype(np.int32)
+        slot = np.arange(len(block)) - np.repeat(np.cumsum(counts) - counts, counts)
+        idx, kinds, pidx = (np.zeros((nqb, max_blocks), dtype=np.int32) for _ in range(3))
+        idx[block, slot], kinds[block, slot] = kv_block, types
+        partial = np.flatnonzero(types == PARTIAL)
+        entries = lookup[nqb:nqb + partials]
+        pidx[block[partial], slot[partial]] = entries
+        representative = lookup[nqb + partials:nqb + partials + unique]
+        flat = block * nkvb + kv_block
+        where = np.searchsorted(flat, representative)  # every representative is a listed block
+        differ = bool(partial.size) and not np.array_equal(codes[partial], codes[where[entries]])
+        pool = patterns.packed_bits(codes[where], kbs) if unique else None
+        return counts, idx, kinds, pidx if unique else None, pool, differ
+
+
+def _pieces_blocks(pieces: np.ndarray, piece_count: int, sizes: tuple[int, int, int, int]):
+    """(q block, kv block, type, row codes) of every block between the first and the last kv block that
+    the rows of a q block reach, in (q block, kv block) order: each classified from its rows, with no
+    FULL shortcut (the emulation: small sizes only)."""
+    q_len, kv_len, qbs, kbs = sizes
+    nqb = cdiv(q_len, qbs)
+    q, start, start_slope, end, end_slope = pieces.reshape(5, piece_count)
+    rows = np.arange(nqb * qbs)
+    i = np.searchsorted(q, rows, side="right") - 1
+    first = np.clip(start[i] + start_slope[i] * (rows - q[i]), 0, kv_len).reshape(nqb, qbs)
+    last = np.clip(end[i] + end_slope[i] * (rows - q[i]), 0, kv_len).reshape(nqb, qbs)
+    allows = (first < last) & (rows < q_len).reshape(nqb, qbs)
+    big = np.iinfo(np.int64).max
+    lo = np.where(allows, first, big).min(axis=1) // kbs  # [lo, hi): the kv blocks some row reaches, and
+    hi = -(-np.where(allows, last, 0).max(axis=1) // kbs)  # between two reached ones (MASKED, if any)
+    kv = np.arange(cdiv(kv_len, kbs))
+    block, kv_block = np.nonzero((kv >= lo[:, None]) & (kv < hi[:, None]))
+    types, codes = patterns.cut_blocks(first[block], last[block], block * qbs, kv_block * kbs, q_len, kv_len, kbs)
+    return block, kv_block, types, codes
 
 
 def backend_for(xp: Any) -> Optional[Backend]:
