@@ -180,4 +180,28 @@ __device__ inline u64 block_hash(int code, const u64* multipliers, int kbs, Scra
   return block_sum(h, scratch.words);
 }
 
+// The first block to claim `hash` in an open-addressing table of `slots` (a power of two) keys
+// and values (0: empty; a value is a block + 1), for thread 0: `block` itself when it claims the
+// hash, else the block that did (waited for: its CTA writes the value right after its claim).
+// The table needs room: fewer claims than slots. A hash of 0 (the empty key) returns -1. Not
+// inlined: inlined, its loops made ptxas spill 8 bytes on sm_80 (the rest of the scan needs few registers).
+__device__ __noinline__ i64 first_block_of(u64 hash, i64 block, u64* keys, i64* values, int slots) {
+  if (hash == 0) return -1;
+  u64 slot = (hash ^ (hash >> 29)) & static_cast<u64>(slots - 1);
+  while (true) {
+    const u64 found = atomicCAS(keys + slot, 0ull, hash);
+    if (found == 0) {
+      atomicExch(reinterpret_cast<u64*>(values + slot), static_cast<u64>(block + 1));
+      return block;
+    }
+    if (found == hash) {
+      i64 owner;
+      while ((owner = *reinterpret_cast<volatile i64*>(values + slot)) == 0) {
+      }
+      return owner - 1;
+    }
+    slot = (slot + 1) & static_cast<u64>(slots - 1);
+  }
+}
+
 }  // namespace mask_pieces

@@ -236,16 +236,31 @@ def test_a_scan_out_of_room_runs_again_with_room_for_every_record(monkeypatch):
                                                   xp=np), "second scan")
 
 
-def test_a_pool_entry_that_differs_from_its_blocks_falls_back_to_the_host_path(monkeypatch, caplog):
-    """Equal hashes, other bits (a collision: simulated) -> the build is the host path's, and it says so."""
+def test_a_hash_collision_falls_back_to_the_host_path(monkeypatch, caplog):
+    """The scan's flag (a PARTIAL block with another's hash but not its bits: simulated) -> the build
+    is the host path's, and it says so."""
     mod = masks.interleaved(alternating_segments(2000, 100, 333))
-    real_layout = kernels.EmulatedBackend.pieces_layout
-    monkeypatch.setattr(kernels.EmulatedBackend, "pieces_layout",
-                        lambda *args: real_layout(*args)[:5] + (True,))
+    real_scan = kernels.EmulatedBackend.pieces_scan
+
+    def colliding(*args):
+        out = real_scan(*args)
+        out[1] = 1
+        return out
+
+    monkeypatch.setattr(kernels.EmulatedBackend, "pieces_scan", colliding)
     with caplog.at_level(logging.INFO, logger="omnicupy.mask"):
         got = builders.from_mask_mod(mod, None, None, 2000, 2000, xp=HOST_AS_DEVICE)
     assert "share a hash" in caplog.text
     assert_same_build(got, builders.from_mask_mod(mod, None, None, 2000, 2000, xp=np), "fallback")
+
+
+def test_the_emulated_scan_flags_equal_hashes_of_other_bits(monkeypatch):
+    """What the scan kernel's table check finds, the emulation finds too: every block hashing alike."""
+    mod = masks.document(masks.doc_ids_from_lengths(random_lengths(1000, 20, 300, seed=4)))
+    monkeypatch.setattr(kernels.blocks, "block_hashes", lambda bits: np.ones(len(bits), dtype=np.uint64))
+    table = pieces_build.table(mod)
+    scan = kernels.EmulatedBackend().pieces_scan(table, len(mod.pieces.q), (1000, 1000, 64, 64), 500)
+    assert scan[0] > 1 and scan[1] == 1
 
 
 @pytest.mark.parametrize("mod, backend, qbs, expected", [

@@ -4,6 +4,8 @@ transfer, the builder kernels as omnicupy kernels (specs, NVRTC, a logged first 
 device path's bookkeeping (what it sends, what it waits for) through the kernels' NumPy emulation."""
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 import tracemalloc
@@ -217,9 +219,16 @@ class RecordingBackend(kernels.EmulatedBackend):
 
     def __getattribute__(self, name):
         attr = super().__getattribute__(name)
-        if name in ("upload", "download", "block_indices", "classify", "gather_blocks", "blocks_differ", "layout"):
+        if name in ("upload", "download", "block_indices", "classify", "gather_blocks", "blocks_differ", "layout",
+                    "pieces_scan", "pieces_layout"):
             self.calls.append(name)
         return attr
+
+    @contextlib.contextmanager
+    def stream(self):
+        self.calls.append("own stream")
+        yield
+        self.calls.append("caller's stream")
 
 
 @pytest.fixture
@@ -238,14 +247,23 @@ def recording(monkeypatch):
 
 @pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES
                                      if f(1, 1).bounds is not None and f(1, 1).bounds_exact])
-def test_structured_device_builds_never_wait_for_the_device(factory, recording):
-    """An exact mask on a device: the layout kernel and at most one upload of the pool; nothing read back.
-    Causal rows (written arithmetically) are one upload and no kernel."""
+def test_structured_device_builds_wait_only_on_their_own_stream(factory, recording):
+    """An exact mask on a device. With pieces (pieces_build.py): one upload of them and the scan, whose
+    read back is the build's one wait, on the build's own stream; then the layout on the caller's.
+    Without: the layout kernel and at most one upload of the pool, nothing read back. Causal rows
+    (written arithmetically) are one upload and no kernel."""
     mod = factory(1000, 1000)
     builders.from_mask_mod(mod, None, 2, 1000, 1000, q_block_size=64, kv_block_size=64, xp=HOST_AS_DEVICE)
-    (backend,) = recording
-    assert backend.calls.count("layout") == (0 if builders._is_causal(mod) else 1), backend.calls
-    assert set(backend.calls) <= {"layout", "upload"} and backend.calls.count("upload") <= 1, backend.calls
+    builders.from_mask_mod(mod, None, 2, 1000, 1000, q_block_size=64, kv_block_size=64, xp=HOST_AS_DEVICE)
+    first, again = recording
+    if mod.pieces is not None and not builders._is_causal(mod):  # (a small causal mask: causal rows)
+        own = ["own stream", "pieces_scan", "caller's stream", "pieces_layout"]
+        assert first.calls == own[:1] + ["upload"] + own[1:], first.calls  # the pieces uploaded once per device
+        assert again.calls == own, again.calls
+        return
+    for backend in recording:
+        assert backend.calls.count("layout") == (0 if builders._is_causal(mod) else 1), backend.calls
+        assert set(backend.calls) <= {"layout", "upload"} and backend.calls.count("upload") <= 1, backend.calls
 
 
 def test_evaluated_device_builds_wait_once_per_chunk(recording, monkeypatch):

@@ -142,16 +142,21 @@ class Backend:
         """A context in which a build that waits for the device runs (see ``KernelBackend.stream``)."""
         return contextlib.nullcontext()
 
+    def device_id(self) -> int:
+        """The device the arrays go to (what device copies are cached per)."""
+        return -1
+
     def pieces_scan(self, pieces, piece_count: int, sizes: tuple[int, int, int, int], capacity: int) -> np.ndarray:
         """The first pass of a build from pieces (templates/mask_pieces.cu.jinja, ``pieces_scan``), read
-        back: host int64 ``[1 + 4 nQB + 2 capacity]`` (the counter, per q block stats, the records).
-        ``pieces``: the uploaded ``pieces_build.table``; ``sizes``: q_len, kv_len, qbs, kbs."""
+        back (it waits): host int64 ``[2 + 4 nQB + 2 capacity]``: the PARTIAL blocks' count, the collision
+        flag, per q block stats, the records. ``pieces``: the uploaded ``pieces_build.table``;
+        ``sizes``: q_len, kv_len, qbs, kbs."""
         raise NotImplementedError
 
     def pieces_layout(self, pieces, piece_count: int, sizes: tuple[int, int, int, int], lookup: np.ndarray,
                       partials: int, unique: int, max_blocks: int):
-        """The second pass: (counts [nQB], indices, types, pool indices or None [nQB, max_blocks], the pool
-        [unique, qbs, kbs / 32] or None, whether some PARTIAL block differs from its pool entry: read back)."""
+        """The second pass, nothing read back: (counts [nQB], indices, types, pool indices or None
+        [nQB, max_blocks], the pool [unique, qbs, kbs / 32] or None)."""
         raise NotImplementedError
 
 
@@ -235,6 +240,9 @@ class KernelBackend(Backend):
                                                          counts, idx, types, pidx))
         return counts, idx, types, pidx if with_partial else None
 
+    def device_id(self):
+        return self.xp.cuda.runtime.getDevice()
+
     def stream(self):
         """A non-blocking stream of this device's own: a build that reads results back waits for
         its own kernels only, not behind work queued on the caller's stream."""
@@ -248,12 +256,15 @@ class KernelBackend(Backend):
         cp = self.xp
         q_len, kv_len, qbs, kbs = sizes
         nqb = cdiv(q_len, qbs)
-        out = cp.zeros(1 + 4 * nqb + 2 * capacity, dtype=np.int64)
+        slots = 1 << (2 * capacity - 1).bit_length()  # a power of two, over twice the claims
+        read = 2 + 4 * nqb + 2 * capacity
+        out = cp.zeros(read + 2 * slots, dtype=np.int64)  # what is read back, then the hash table
         multipliers = _device_multipliers(cp, qbs * kbs // PARTIAL_WORD_BITS)
         load(MaskKernel("pieces_scan"))((nqb,), (pieces_threads(qbs),),
                                         (pieces, np.int32(piece_count), np.int32(q_len), np.int32(kv_len),
-                                         np.int32(qbs), np.int32(kbs), multipliers, out, np.int32(capacity)))
-        return out.get()
+                                         np.int32(qbs), np.int32(kbs), multipliers, out, np.int32(capacity),
+                                         np.int32(slots)))
+        return out[:read].get()
 
     def pieces_layout(self, pieces, piece_count, sizes, lookup, partials, unique, max_blocks):
         cp = self.xp
@@ -265,15 +276,13 @@ class KernelBackend(Backend):
         counts, idx, types = out[:nqb], out[nqb:nqb + slots], out[nqb + slots:nqb + 2 * slots]
         pidx = out[nqb + 2 * slots:] if unique else None
         pool = cp.empty((unique, qbs, kbs // PARTIAL_WORD_BITS), dtype=np.uint32) if unique else None
-        differ = cp.zeros(1, dtype=np.int32)
         load(MaskKernel("pieces_layout"))(
             (nqb + unique,), (pieces_threads(qbs),),
             (pieces, np.int32(piece_count), np.int32(q_len), np.int32(kv_len), np.int32(qbs), np.int32(kbs),
              cp.asarray(lookup), np.int32(partials), np.int32(max_blocks), counts, idx, types,
-             np.intp(0) if pidx is None else pidx, np.intp(0) if pool is None else pool, differ))
+             np.intp(0) if pidx is None else pidx, np.intp(0) if pool is None else pool))
         shape = (nqb, max_blocks)
-        return (counts, idx.reshape(shape), types.reshape(shape), None if pidx is None else pidx.reshape(shape), pool,
-                bool(differ.get()[0]))
+        return counts, idx.reshape(shape), types.reshape(shape), None if pidx is None else pidx.reshape(shape), pool
 
 
 #: A build's own stream per device (KernelBackend.stream).
@@ -364,10 +373,12 @@ class EmulatedBackend(Backend):
         flat = block[partial] * cdiv(kv_len, kbs) + kv_block[partial]
         hashes = blocks.block_hashes(patterns.packed_bits(codes[partial], kbs)) if partial.any() else np.zeros(0, np.uint64)
         records = np.stack([flat, hashes.view(np.int64)], axis=1)[::-1][:capacity]  # in no particular order, as atomics
-        out = np.zeros(1 + 4 * nqb + 2 * capacity, dtype=np.int64)
-        out[0] = len(flat)
-        out[1:1 + 4 * nqb] = stats.reshape(-1)
-        out[1 + 4 * nqb:1 + 4 * nqb + records.size] = records.reshape(-1)
+        _, first, group = np.unique(hashes, return_index=True, return_inverse=True)
+        collision = not np.array_equal(codes[partial], codes[partial][first[group.reshape(-1)]]) or bool(np.any(hashes == 0))
+        out = np.zeros(2 + 4 * nqb + 2 * capacity, dtype=np.int64)
+        out[0], out[1] = len(flat), collision
+        out[2:2 + 4 * nqb] = stats.reshape(-1)
+        out[2 + 4 * nqb:2 + 4 * nqb + records.size] = records.reshape(-1)
         return out
 
     def pieces_layout(self, pieces, piece_count, sizes, lookup, partials, unique, max_blocks):
@@ -384,11 +395,9 @@ class EmulatedBackend(Backend):
         entries = lookup[nqb:nqb + partials]
         pidx[block[partial], slot[partial]] = entries
         representative = lookup[nqb + partials:nqb + partials + unique]
-        flat = block * nkvb + kv_block
-        where = np.searchsorted(flat, representative)  # every representative is a listed block
-        differ = bool(partial.size) and not np.array_equal(codes[partial], codes[where[entries]])
+        where = np.searchsorted(block * nkvb + kv_block, representative)  # every representative is a listed block
         pool = patterns.packed_bits(codes[where], kbs) if unique else None
-        return counts, idx, kinds, pidx if unique else None, pool, differ
+        return counts, idx, kinds, pidx if unique else None, pool
 
 
 def _pieces_blocks(pieces: np.ndarray, piece_count: int, sizes: tuple[int, int, int, int]):

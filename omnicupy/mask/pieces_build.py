@@ -2,26 +2,29 @@
 
 The host path (builders.py, from a MaskMod's windows) does O(q blocks + cut blocks) NumPy work:
 some hundred NumPy calls whatever N is, which is most of a build at N = 8192 and 131072 (NOTES.md
-§17, §22). Here the device does that work (templates/mask_pieces.cu.jinja, one CTA per q block):
+§17, §22, §36). Here the device does that work (templates/mask_pieces.cu.jinja, one CTA per q block):
 
 1. ``pieces_scan``: each q block finds its window of kv blocks from its rows' bounds, types the
    cut blocks from their row codes, counts its blocks of each type and appends (block, hash) for
-   each PARTIAL one. One read back (the build's first wait).
+   each PARTIAL one. Each PARTIAL block is also compared with the first block that claimed its
+   hash (a table on the device), so that equal hashes are known to mean equal bits. Its results
+   are read back: the build's one wait, on a stream of the build's own (KernelBackend.stream), so
+   that it does not queue behind the caller's work.
 2. the host: pool entries are the distinct hashes in ascending order, which is the pool's canonical
-   order (blocks.pool_order); the q blocks' PARTIAL blocks get their entries in (q block, kv block)
-   order; the summary and features come from the counts.
-3. ``pieces_layout``: each q block writes its row of the metadata, checking each PARTIAL block
-   against its pool entry's representative; one CTA per pool entry writes its bits. One read back
-   of that check (the second wait): blocks with equal hashes but other bits make the build return
-   None, and the caller builds on the host path instead.
+   order (blocks.pool_order); the q blocks' PARTIAL blocks take their entries in (q block, kv block)
+   order; the summary and features come from the counts. A collision (equal hashes, other bits)
+   returns None, and the caller builds on the host path instead.
+3. ``pieces_layout``, on the caller's stream (nothing read back): each q block writes its row of
+   the metadata; one CTA per pool entry writes its bits from its representative block.
 
-The output equals the host path's: the same arrays, pool and summary (the CPU and GPU tests
-compare them). Both waits are on a stream of the build's own, so a build does not queue behind
-the caller's work. This module knows pieces, the two kernels' contracts (through kernels.Backend)
-and BlockMask's constructor; the host path and its windows are builders.py's.
+The output equals the host path's: the same arrays, pool and summary (the CPU tests, with the
+kernels emulated, and the GPU tests compare them); it keeps no RowRuns (inspection reads the
+metadata). This module knows pieces, the two kernels' contracts (through kernels.Backend) and
+BlockMask's constructor; the host path and its windows are builders.py's.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -45,6 +48,23 @@ def applies(mask_mod: Any, backend: Optional[Backend], q_block_size: int) -> boo
             and q_block_size <= MAX_Q_BLOCK_SIZE)
 
 
+#: Each MaskMod's pieces on each device it was built on: (the Pieces object, {device: array}).
+_uploaded: "weakref.WeakKeyDictionary[MaskMod, tuple[Any, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _device_table(backend: Backend, mask_mod: MaskMod) -> tuple[Any, int]:
+    """``table(mask_mod)`` on the device, uploaded once per MaskMod and device; and the piece count."""
+    pieces = mask_mod.pieces
+    known = _uploaded.get(mask_mod)
+    if known is None or known[0] is not pieces:
+        known = (pieces, {})
+        _uploaded[mask_mod] = known
+    device = backend.device_id()
+    if device not in known[1]:
+        known[1][device] = backend.upload(table(mask_mod))
+    return known[1][device], len(pieces.q)
+
+
 def table(mask_mod: MaskMod) -> np.ndarray:
     """The pieces as the kernels read them: ``[5 * P]`` int64, the rows q, start, start_slope, end,
     end_slope one after the other."""
@@ -57,28 +77,27 @@ def build(backend: Backend, mask_mod: MaskMod, batch_heads: tuple[int, int], q_l
     """The BlockMask of ``mask_mod`` (broadcast to ``batch_heads``), or None after a hash collision."""
     nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
     sizes = (q_len, kv_len, qbs, kbs)
-    host_table = table(mask_mod)
-    piece_count = len(host_table) // 5
     with backend.stream():
-        pieces = backend.upload(host_table)
+        pieces, piece_count = _device_table(backend, mask_mod)
         capacity = RECORDS_PER_Q_BLOCK * nqb + MIN_RECORDS
         scan = backend.pieces_scan(pieces, piece_count, sizes, capacity)
         if int(scan[0]) > capacity:  # more PARTIAL blocks than room: again, with room for all
             capacity = int(scan[0])
             scan = backend.pieces_scan(pieces, piece_count, sizes, capacity)
-        partials = int(scan[0])
-        stats = scan[1:1 + 4 * nqb].reshape(nqb, 4)  # listed, FULL, CAUSAL, PARTIAL per q block
-        records = scan[1 + 4 * nqb:1 + 4 * nqb + 2 * partials].reshape(partials, 2)
-        records = records[np.argsort(records[:, 0], kind="stable")]  # (q block, kv block) order
-        hashes = np.ascontiguousarray(records[:, 1]).view(np.uint64)
-        _, first, entry = np.unique(hashes, return_index=True, return_inverse=True)  # ascending hash
-        offsets = np.cumsum(stats[:, 3]) - stats[:, 3]
-        lookup = np.concatenate([offsets, entry.reshape(-1), records[first, 0]]).astype(np.int64)
-        max_blocks = max(int(stats[:, 0].max()) if nqb else 0, 1)
-        counts, idx, types, pidx, pool, differ = backend.pieces_layout(pieces, piece_count, sizes, lookup, partials,
-                                                                       len(first), max_blocks)
-    if differ:
+    if scan[1]:
         return None
+    partials = int(scan[0])
+    stats = scan[2:2 + 4 * nqb].reshape(nqb, 4)  # listed, FULL, CAUSAL, PARTIAL per q block
+    records = scan[2 + 4 * nqb:2 + 4 * nqb + 2 * partials].reshape(partials, 2)
+    records = records[np.argsort(records[:, 0], kind="stable")]  # (q block, kv block) order
+    hashes = np.ascontiguousarray(records[:, 1]).view(np.uint64)
+    _, first, entry = np.unique(hashes, return_index=True, return_inverse=True)  # ascending hash
+    offsets = np.cumsum(stats[:, 3]) - stats[:, 3]
+    lookup = np.concatenate([offsets, entry.reshape(-1), records[first, 0]]).astype(np.int64)
+    max_blocks = max(int(stats[:, 0].max()) if nqb else 0, 1)
+    # On the caller's stream, like any other build's layout: nothing more to wait for.
+    counts, idx, types, pidx, pool = backend.pieces_layout(pieces, piece_count, sizes, lookup, partials, len(first),
+                                                           max_blocks)
     copies = batch_heads[0] * batch_heads[1]
     visited = [int(stats[:, column].sum()) * copies for column in (2, 1, 3)]  # CAUSAL, FULL, PARTIAL
     weights = np.asarray(WORK_WEIGHTS, dtype=np.int64)
