@@ -34,6 +34,13 @@ class _HostAsDevice(types.ModuleType):
 HOST_AS_DEVICE = _HostAsDevice("host_as_device")
 
 
+@pytest.fixture
+def host_default(monkeypatch):
+    """Builds without an ``xp`` on the host even where a GPU is usable: for tests that read the
+    arrays with NumPy, count host chunks, patch a host hash or print ``arrays=numpy``."""
+    monkeypatch.setattr(builders, "default_array_module", lambda: np)
+
+
 def assert_same_metadata(a: BlockMask, b: BlockMask) -> None:
     assert a.shape == b.shape and a.block_size == b.block_size
     for name in META:
@@ -93,7 +100,7 @@ def test_builtin_mask(factory, q_len, kv_len, qbs, kbs):
 
 
 @pytest.mark.parametrize("factory", CASE_PARAMS)
-def test_same_layout_as_from_block_types(factory):
+def test_same_layout_as_from_block_types(factory, host_default):
     bm = BlockMask.from_mask_mod(factory(300, 333), None, None, 300, 333, q_block_size=64, kv_block_size=64)
     partial = {}
     if bm.partial_block_masks is not None:
@@ -166,7 +173,7 @@ def test_block_rows_follow_the_per_block_rule(factory, q_len, kv_len, qbs, kbs):
     np.testing.assert_array_equal(grid, per_block_rule(mod, q_len, kv_len, qbs, kbs))
 
 
-def test_evaluation_is_chunked(monkeypatch):
+def test_evaluation_is_chunked(monkeypatch, host_default):
     monkeypatch.setattr(builders, "CHUNK_ELEMENTS", 64 * 64 * 3)
     sizes = []
 
@@ -200,7 +207,7 @@ def test_nothing_allowed(xp):
     assert bm.partial_block_masks is None and bm.features == builders.MaskFeatures(causal=False, partial=False)
 
 
-def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch):
+def test_hash_collisions_fall_back_to_exact_dedup(monkeypatch, host_default):
     mod = masks.document(masks.doc_ids_from_lengths([37, 100, 3, 90, 70]), causal=False)
     expected = check_mask_mod(mod, None, None, 300, 300, 32, 32)
     monkeypatch.setattr(blocks, "block_hashes", lambda packed, xp=np: np.zeros(len(packed), dtype=np.uint64))
@@ -490,7 +497,7 @@ def test_builders_emit_valid_metadata_and_features(factory, use_structure):
 
 
 # --------------------------------------------------------------------------------- inspection
-def test_inspection_of_a_causal_mask():
+def test_inspection_of_a_causal_mask(host_default):
     bm = BlockMask.from_mask_mod(masks.causal(), None, None, 256, 256)
     assert bm.shape == (1, 1, 256, 256)
     assert bm.sparsity() == pytest.approx(25.0)

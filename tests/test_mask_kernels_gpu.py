@@ -12,9 +12,9 @@ import pytest
 
 from omnicupy import BlockMask, arrays, masks
 from omnicupy.dispatch import schedule
-from omnicupy.mask import blocks, builders, kernels, layout
+from omnicupy.mask import blocks, builders, kernels, layout, pieces_build
 
-from mask_cases import MASK_CASES
+from mask_cases import MASK_CASES, random_lengths
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -229,3 +229,75 @@ def test_pool_hashes_are_the_host_hashes():
     pool = bm.partial_block_masks.get()
     hashes = blocks.block_hashes(pool)
     assert np.all(np.diff(hashes.astype(np.uint64)) > 0)
+
+
+# ----------------------------------------------------------------------- builds from pieces (pieces_build.py)
+PIECED = [pytest.param(f, id=i) for i, f in MASK_CASES if f(8, 8).pieces is not None]
+
+
+@pytest.mark.parametrize("qbs,kbs,q_len,kv_len", [(64, 64, 1000, 777), (16, 32, 300, 301), (256, 32, 1025, 1025),
+                                                  (48, 256, 777, 1000)], ids=str)
+@pytest.mark.parametrize("factory", PIECED)
+def test_pieces_kernels_equal_their_emulation(factory, qbs, kbs, q_len, kv_len):
+    """The scan's counts, flag and records (as a set: atomics order them) and the layout's arrays and
+    pool, kernel against kernels.EmulatedBackend, from the same pieces and the same lookup."""
+    mod = factory(q_len, kv_len)
+    table = pieces_build.table(mod)
+    sizes, count = (q_len, kv_len, qbs, kbs), len(mod.pieces.q)
+    capacity = 4 * -(-q_len // qbs) + 64
+    emulated = kernels.EmulatedBackend()
+    want = emulated.pieces_scan(table, count, sizes, capacity)
+    device = kernels.KernelBackend(cp)
+    got = device.pieces_scan(cp.asarray(table), count, sizes, capacity)
+    n = 2 + 4 * -(-q_len // qbs)
+    np.testing.assert_array_equal(got[:n], want[:n])
+    records = lambda out: sorted(map(tuple, out[n:n + 2 * int(out[0])].reshape(-1, 2).tolist()))  # noqa: E731
+    assert records(got) == records(want)
+    # The layout, from the emulated scan's bookkeeping (pieces_build's own steps).
+    partials, stats = int(want[0]), want[2:n].reshape(-1, 4)
+    rec = want[n:n + 2 * partials].reshape(-1, 2)
+    rec = rec[np.argsort(rec[:, 0], kind="stable")]
+    _, first, entry = np.unique(rec[:, 1].view(np.uint64), return_index=True, return_inverse=True)
+    lookup = np.concatenate([np.cumsum(stats[:, 3]) - stats[:, 3], entry.reshape(-1), rec[first, 0]]).astype(np.int64)
+    max_blocks = max(int(stats[:, 0].max()), 1)
+    expected = emulated.pieces_layout(table, count, sizes, lookup, partials, len(first), max_blocks)
+    result = device.pieces_layout(cp.asarray(table), count, sizes, lookup, partials, len(first), max_blocks)
+    for name, a, b in zip(("counts", "indices", "types", "pool indices", "pool"), result, expected):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(a.get(), b, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window_1024", "document", "interleaved"])
+def test_gpu_builds_from_pieces_at_131072(name):
+    """The issue's masks at their benchmark length: the device build equals the host path's."""
+    from benchmarks import bench_masks
+
+    mod = bench_masks.workload(name, 131072)
+    on_gpu = builders.from_mask_mod(mod, None, None, 131072, 131072, xp=cp)
+    assert on_gpu._runs is None  # made by pieces_build
+    assert_same_metadata(on_gpu, builders.from_mask_mod(mod, None, None, 131072, 131072, xp=np), name)
+
+
+@pytest.mark.parametrize("mod, qbs", [
+    pytest.param(masks.block_diagonal([64] + [128] * 20), 128, id="block_diagonal_64_128"),
+    pytest.param(masks.document(masks.doc_ids_from_lengths(random_lengths(2000, 1, 120, seed=2000 * 7919 + 2000)),
+                                causal=False), 64, id="document_noncausal"),
+])
+def test_a_collision_in_the_scan_kernel_falls_back_to_the_host_path(mod, qbs, monkeypatch, caplog):
+    """With every hash multiplier 1 (a block's hash is the sum of its words) some distinct patterns
+    share a hash: the scan kernel's table check finds them, like its emulation, and the build is the
+    host path's."""
+    monkeypatch.setattr(kernels, "_device_multipliers", lambda cp_, n_words: cp_.ones(n_words, dtype=np.uint64))
+    monkeypatch.setattr(kernels.blocks, "block_hashes",
+                        lambda bits: bits.reshape(len(bits), -1).astype(np.uint64).sum(axis=1))
+    sizes, count = (2000, 2000, qbs, qbs), len(mod.pieces.q)
+    want = kernels.EmulatedBackend().pieces_scan(pieces_build.table(mod), count, sizes, 4096)
+    got = kernels.KernelBackend(cp).pieces_scan(cp.asarray(pieces_build.table(mod)), count, sizes, 4096)
+    assert want[1] == 1 and got[1] == 1
+    with caplog.at_level(logging.INFO, logger="omnicupy.mask"):
+        on_gpu = builders.from_mask_mod(mod, None, None, 2000, 2000, q_block_size=qbs, kv_block_size=qbs, xp=cp)
+    assert "share a hash" in caplog.text
+    # Against the host path under the same hashes (they also order the pool).
+    assert_same_metadata(on_gpu, builders.from_mask_mod(mod, None, None, 2000, 2000, q_block_size=qbs,
+                                                        kv_block_size=qbs, xp=np))
