@@ -8,9 +8,12 @@
 // of omnicupy/mask/blocks.py: sum of word * multiplier over its packed words, mod 2**64) and its
 // bits all follow from one code per row.
 //
-// The functions here run in CTAs of one q block: one thread per row (blockDim.x >= qbs, a
-// multiple of 32, at most 256: the kernels' launch bounds), every thread of the CTA calling each function together (they
-// hold barriers). The BlockType enum (kMasked ...) must be declared before this header.
+// The kernels run a CTA per q block, a thread per row (blockDim.x >= qbs, a multiple of 32, at
+// most kMaxRows = 256: their launch bounds). Rows and windows are CTA-wide (every thread calls
+// them together: they hold barriers); a kv block's type, hash and comparison are warp-wide (one
+// warp per block, its lanes over the rows kept in shared memory), so that a q block with many
+// cut blocks takes them a warp each instead of one after the other. The BlockType enum (kMasked
+// ...) must be declared before this header.
 #pragma once
 
 namespace mask_pieces {
@@ -20,6 +23,8 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 constexpr int kWordBits = 32;
+// The most rows of a q block (threads of a CTA: the kernels' __launch_bounds__).
+constexpr int kMaxRows = 256;
 
 // The pieces, as the host lays them out: five [count] int64 rows (q, start, start_slope, end,
 // end_slope) one after the other.
@@ -48,22 +53,25 @@ struct Row {
 
 __device__ inline i64 clip(i64 x, i64 lo, i64 hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Row q's bounds: the last piece that starts at or before q.
+// Row q's bounds [start, end), clipped to [0, kv_len]: from the last piece that starts at or before q.
+__device__ inline void bounds_of(const Pieces& p, const Sizes& n, int q, int& start, int& end) {
+  int lo = 0, hi = p.count;  // invariant: q(lo) <= q < q(hi) (q(count) = infinity; q(0) = 0)
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    if (p.q(mid) <= q) lo = mid; else hi = mid;
+  }
+  const i64 dq = q - p.q(lo);
+  start = static_cast<int>(clip(p.start(lo) + p.start_slope(lo) * dq, 0, n.kv_len));
+  end = static_cast<int>(clip(p.end(lo) + p.end_slope(lo) * dq, 0, n.kv_len));
+}
+
+// This thread's row of the q block from q0.
 __device__ inline Row row_of(const Pieces& p, const Sizes& n, int q0) {
   Row row;
   row.q = q0 + static_cast<int>(threadIdx.x);
   row.real = static_cast<int>(threadIdx.x) < n.qbs && row.q < n.q_len;
   row.start = row.end = 0;
-  if (row.real) {
-    int lo = 0, hi = p.count;  // invariant: q(lo) <= q < q(hi) (q(count) = infinity; q(0) = 0)
-    while (hi - lo > 1) {
-      const int mid = lo + (hi - lo) / 2;
-      if (p.q(mid) <= row.q) lo = mid; else hi = mid;
-    }
-    const i64 dq = row.q - p.q(lo);
-    row.start = static_cast<int>(clip(p.start(lo) + p.start_slope(lo) * dq, 0, n.kv_len));
-    row.end = static_cast<int>(clip(p.end(lo) + p.end_slope(lo) * dq, 0, n.kv_len));
-  }
+  if (row.real) bounds_of(p, n, row.q, row.start, row.end);
   return row;
 }
 
@@ -80,19 +88,8 @@ __device__ inline int block_min(int x, int* scratch) {
 
 __device__ inline int block_max(int x, int* scratch) { return -block_min(-x, scratch); }
 
-__device__ inline u64 block_sum(u64 x, u64* scratch) {
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-  __syncthreads();
-  u64 total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[w];
-  return total;
-}
-
 struct Scratch {
   int ints[32];
-  u64 words[32];
 };
 
 // The kv blocks a q block can reach, [first, last), and within them the FULL ones [full_first,
@@ -133,11 +130,11 @@ __device__ inline Window window_of(const Row& row, const Sizes& n, Scratch& scra
   return w;
 }
 
-// The code of this thread's row in the block from kv0 with `cols` real columns.
-__device__ inline int run_code(const Row& row, int kv0, int cols, int kbs) {
-  const int lo = static_cast<int>(clip(static_cast<i64>(row.start) - kv0, 0, cols));
-  const int hi = static_cast<int>(clip(static_cast<i64>(row.end) - kv0, 0, cols));
-  return row.real && hi > lo ? lo * (kbs + 1) + hi : 0;
+// The code of the run [start, end) in the block from kv0 with `cols` real columns.
+__device__ inline int run_code(int start, int end, int kv0, int cols, int kbs) {
+  const int lo = static_cast<int>(clip(static_cast<i64>(start) - kv0, 0, cols));
+  const int hi = static_cast<int>(clip(static_cast<i64>(end) - kv0, 0, cols));
+  return hi > lo ? lo * (kbs + 1) + hi : 0;
 }
 
 // Word w of the packed run of `code` (bit c = column 32 w + c).
@@ -147,37 +144,77 @@ __device__ inline u32 run_word(int code, int w, int kbs) {
   return below(hi) & ~below(lo);
 }
 
-// The type of kv block `kv_block` for the q block from q0 (the rules of blocks.py: MASKED, FULL,
-// CAUSAL, PARTIAL), and this thread's row code in it.
-struct Cut {
-  int type;
-  int code;
+// The q block's rows, once in shared memory (each thread stores its own), for warps that take
+// one kv block each: lane l holds rows l, l + 32, ... of the block.
+struct Rows {
+  int* start;
+  int* end;
+  int q0, real;  // the first row's position; rows [0, real) lie inside the sequence
+  __device__ void store(const Row& row) const {
+    if (static_cast<int>(threadIdx.x) < kMaxRows) {
+      start[threadIdx.x] = row.start;
+      end[threadIdx.x] = row.end;
+    }
+  }
 };
 
-__device__ inline Cut classify(const Row& row, int q0, int kv_block, const Sizes& n) {
-  const int kv0 = kv_block * n.kbs;
-  const int cols = min(n.kbs, n.kv_len - kv0);
-  const int code = run_code(row, kv0, cols, n.kbs);
-  const int full_code = row.real ? cols : 0;  // the run [0, cols)
-  if (__syncthreads_and(code == full_code)) return {kFull, code};
-  if (!__syncthreads_or(code != 0)) return {kMasked, code};
-  // CAUSAL: each real row from 0 to its diagonal (only a block the diagonal crosses can be).
-  const bool crossed = kv0 < q0 + n.qbs && q0 < kv0 + cols;
-  const int diagonal = row.real ? static_cast<int>(clip(static_cast<i64>(row.q) + 1 - kv0, 0, cols)) : 0;
-  if (crossed && __syncthreads_and(code == diagonal)) return {kCausal, code};
-  return {kPartial, code};
+// A kv block as seen by one warp: its first column, real columns and index.
+struct KvBlock {
+  int index, kv0, cols;
+  __device__ KvBlock(int kv_block, const Sizes& n)
+      : index(kv_block), kv0(kv_block * n.kbs), cols(min(n.kbs, n.kv_len - kv_block * n.kbs)) {}
+};
+
+// The type of kv block `b` for the q block of `rows` (the rules of blocks.py: MASKED, FULL,
+// CAUSAL, PARTIAL), by one warp.
+__device__ inline int classify(const Rows& rows, const KvBlock& b, const Sizes& n) {
+  const int lane = threadIdx.x % 32;
+  bool full = true, any = false, causal = true;
+  for (int r = lane; r < n.qbs; r += 32) {
+    const bool real = r < rows.real;
+    const int code = real ? run_code(rows.start[r], rows.end[r], b.kv0, b.cols, n.kbs) : 0;
+    full = full && code == (real ? b.cols : 0);  // the run [0, cols)
+    any = any || code != 0;
+    // CAUSAL: each real row from 0 to its diagonal.
+    const int diagonal = real ? static_cast<int>(clip(static_cast<i64>(rows.q0) + r + 1 - b.kv0, 0, b.cols)) : 0;
+    causal = causal && code == diagonal;
+  }
+  if (__all_sync(0xffffffffu, full)) return kFull;
+  if (!__any_sync(0xffffffffu, any)) return kMasked;
+  // (Only a block the diagonal crosses can be CAUSAL without being FULL or MASKED.)
+  const bool crossed = b.kv0 < rows.q0 + n.qbs && rows.q0 < b.kv0 + b.cols;
+  return crossed && __all_sync(0xffffffffu, causal) ? kCausal : kPartial;
 }
 
-// blocks.py's hash of the packed block whose row codes the threads hold: the sum over rows r and
-// words w of word * multipliers[r * words + w], mod 2**64.
-__device__ inline u64 block_hash(int code, const u64* multipliers, int kbs, Scratch& scratch) {
-  const int words = kbs / kWordBits;
+// blocks.py's hash of the block's packed bits, by one warp: the sum over rows r and words w of
+// word * multipliers[r * words + w], mod 2**64.
+__device__ inline u64 block_hash(const Rows& rows, const KvBlock& b, const Sizes& n, const u64* multipliers) {
+  const int words = n.kbs / kWordBits;
   u64 h = 0;
-  if (code != 0) {
-    const u64* m = multipliers + static_cast<i64>(threadIdx.x) * words;
-    for (int w = 0; w < words; ++w) h += static_cast<u64>(run_word(code, w, kbs)) * m[w];
+  for (int r = threadIdx.x % 32; r < rows.real; r += 32) {
+    const int code = run_code(rows.start[r], rows.end[r], b.kv0, b.cols, n.kbs);
+    if (code == 0) continue;
+    const u64* m = multipliers + static_cast<i64>(r) * words;
+    for (int w = 0; w < words; ++w) h += static_cast<u64>(run_word(code, w, n.kbs)) * m[w];
   }
-  return block_sum(h, scratch.words);
+  for (int o = 16; o > 0; o /= 2) h += __shfl_xor_sync(0xffffffffu, h, o);
+  return h;
+}
+
+// Whether block `other` (q block * nKVB + kv block) has the same bits as block `b` of `rows`, by
+// one warp (the other block's rows from the pieces).
+__device__ inline bool same_bits(const Rows& rows, const KvBlock& b, i64 other, const Pieces& p, const Sizes& n) {
+  const int q0 = static_cast<int>(other / n.num_kv_blocks()) * n.qbs;
+  const KvBlock o(static_cast<int>(other % n.num_kv_blocks()), n);
+  const int real = min(n.qbs, n.q_len - q0);
+  bool same = true;
+  for (int r = threadIdx.x % 32; r < n.qbs; r += 32) {
+    const int mine = r < rows.real ? run_code(rows.start[r], rows.end[r], b.kv0, b.cols, n.kbs) : 0;
+    int start = 0, end = 0;
+    if (r < real) bounds_of(p, n, q0 + r, start, end);
+    same = same && mine == (r < real ? run_code(start, end, o.kv0, o.cols, n.kbs) : 0);
+  }
+  return __all_sync(0xffffffffu, same);
 }
 
 // The first block to claim `hash` in an open-addressing table of `slots` (a power of two) keys

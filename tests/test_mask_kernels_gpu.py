@@ -253,15 +253,13 @@ def test_pieces_kernels_equal_their_emulation(factory, qbs, kbs, q_len, kv_len):
     np.testing.assert_array_equal(got[:n], want[:n])
     records = lambda out: sorted(map(tuple, out[n:n + 2 * int(out[0])].reshape(-1, 2).tolist()))  # noqa: E731
     assert records(got) == records(want)
-    # The layout, from the emulated scan's bookkeeping (pieces_build's own steps).
-    partials, stats = int(want[0]), want[2:n].reshape(-1, 4)
-    rec = want[n:n + 2 * partials].reshape(-1, 2)
-    rec = rec[np.argsort(rec[:, 0], kind="stable")]
-    _, first, entry = np.unique(rec[:, 1].view(np.uint64), return_index=True, return_inverse=True)
-    lookup = np.concatenate([np.cumsum(stats[:, 3]) - stats[:, 3], entry.reshape(-1), rec[first, 0]]).astype(np.int64)
-    max_blocks = max(int(stats[:, 0].max()), 1)
-    expected = emulated.pieces_layout(table, count, sizes, lookup, partials, len(first), max_blocks)
-    result = device.pieces_layout(cp.asarray(table), count, sizes, lookup, partials, len(first), max_blocks)
+    # The layout, from the emulated scan's pool (pieces_build's own steps).
+    rec = want[n:n + 2 * int(want[0])].reshape(-1, 2)
+    hashes, first = np.unique(rec[:, 1].view(np.uint64), return_index=True)
+    lookup = np.concatenate([hashes.view(np.int64), rec[first, 0]])
+    max_blocks = max(int(want[2:n].reshape(-1, 4)[:, 0].max()), 1)
+    expected = emulated.pieces_layout(table, count, sizes, lookup, len(hashes), max_blocks)
+    result = device.pieces_layout(cp.asarray(table), count, sizes, lookup, len(hashes), max_blocks)
     for name, a, b in zip(("counts", "indices", "types", "pool indices", "pool"), result, expected):
         assert (a is None) == (b is None), name
         if a is not None:

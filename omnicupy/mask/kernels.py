@@ -154,9 +154,10 @@ class Backend:
         raise NotImplementedError
 
     def pieces_layout(self, pieces, piece_count: int, sizes: tuple[int, int, int, int], lookup: np.ndarray,
-                      partials: int, unique: int, max_blocks: int):
+                      unique: int, max_blocks: int):
         """The second pass, nothing read back: (counts [nQB], indices, types, pool indices or None
-        [nQB, max_blocks], the pool [unique, qbs, kbs / 32] or None)."""
+        [nQB, max_blocks], the pool [unique, qbs, kbs / 32] or None). ``lookup``: the pool's hashes
+        (ascending, as int64 bits), then a representative block of each (q block * nKVB + kv block)."""
         raise NotImplementedError
 
 
@@ -266,7 +267,7 @@ class KernelBackend(Backend):
                                          np.int32(slots)))
         return out[:read].get()
 
-    def pieces_layout(self, pieces, piece_count, sizes, lookup, partials, unique, max_blocks):
+    def pieces_layout(self, pieces, piece_count, sizes, lookup, unique, max_blocks):
         cp = self.xp
         q_len, kv_len, qbs, kbs = sizes
         nqb = cdiv(q_len, qbs)
@@ -279,7 +280,8 @@ class KernelBackend(Backend):
         load(MaskKernel("pieces_layout"))(
             (nqb + unique,), (pieces_threads(qbs),),
             (pieces, np.int32(piece_count), np.int32(q_len), np.int32(kv_len), np.int32(qbs), np.int32(kbs),
-             cp.asarray(lookup), np.int32(partials), np.int32(max_blocks), counts, idx, types,
+             _device_multipliers(cp, qbs * kbs // PARTIAL_WORD_BITS), cp.asarray(lookup), np.int32(unique),
+             np.int32(max_blocks), counts, idx, types,
              np.intp(0) if pidx is None else pidx, np.intp(0) if pool is None else pool))
         shape = (nqb, max_blocks)
         return counts, idx.reshape(shape), types.reshape(shape), None if pidx is None else pidx.reshape(shape), pool
@@ -381,7 +383,7 @@ class EmulatedBackend(Backend):
         out[2 + 4 * nqb:2 + 4 * nqb + records.size] = records.reshape(-1)
         return out
 
-    def pieces_layout(self, pieces, piece_count, sizes, lookup, partials, unique, max_blocks):
+    def pieces_layout(self, pieces, piece_count, sizes, lookup, unique, max_blocks):
         q_len, kv_len, qbs, kbs = sizes
         nqb, nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
         block, kv_block, types, codes = _pieces_blocks(np.asarray(pieces), piece_count, sizes)
@@ -392,10 +394,11 @@ class EmulatedBackend(Backend):
         idx, kinds, pidx = (np.zeros((nqb, max_blocks), dtype=np.int32) for _ in range(3))
         idx[block, slot], kinds[block, slot] = kv_block, types
         partial = np.flatnonzero(types == PARTIAL)
-        entries = lookup[nqb:nqb + partials]
-        pidx[block[partial], slot[partial]] = entries
-        representative = lookup[nqb + partials:nqb + partials + unique]
-        where = np.searchsorted(block * nkvb + kv_block, representative)  # every representative is a listed block
+        pool_hash = np.asarray(lookup[:unique]).view(np.uint64)
+        if partial.size:
+            hashes = blocks.block_hashes(patterns.packed_bits(codes[partial], kbs))
+            pidx[block[partial], slot[partial]] = np.searchsorted(pool_hash, hashes)
+        where = np.searchsorted(block * nkvb + kv_block, lookup[unique:2 * unique])  # representatives are listed
         pool = patterns.packed_bits(codes[where], kbs) if unique else None
         return counts, idx, kinds, pidx if unique else None, pool
 

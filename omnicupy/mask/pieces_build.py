@@ -11,11 +11,12 @@ some hundred NumPy calls whatever N is, which is most of a build at N = 8192 and
    are read back: the build's one wait, on a stream of the build's own (KernelBackend.stream), so
    that it does not queue behind the caller's work.
 2. the host: pool entries are the distinct hashes in ascending order, which is the pool's canonical
-   order (blocks.pool_order); the q blocks' PARTIAL blocks take their entries in (q block, kv block)
-   order; the summary and features come from the counts. A collision (equal hashes, other bits)
-   returns None, and the caller builds on the host path instead.
+   order (blocks.pool_order), each with one of its blocks as representative; the summary and
+   features come from the counts. A collision (equal hashes, other bits) returns None, and the
+   caller builds on the host path instead.
 3. ``pieces_layout``, on the caller's stream (nothing read back): each q block writes its row of
-   the metadata; one CTA per pool entry writes its bits from its representative block.
+   the metadata, a PARTIAL block taking the pool entry of its hash (a binary search); one CTA per
+   pool entry writes its bits from its representative.
 
 The output equals the host path's: the same arrays, pool and summary (the CPU tests, with the
 kernels emulated, and the GPU tests compare them); it keeps no RowRuns (inspection reads the
@@ -88,23 +89,18 @@ def build(backend: Backend, mask_mod: MaskMod, batch_heads: tuple[int, int], q_l
         return None
     partials = int(scan[0])
     stats = scan[2:2 + 4 * nqb].reshape(nqb, 4)  # listed, FULL, CAUSAL, PARTIAL per q block
-    records = scan[2 + 4 * nqb:2 + 4 * nqb + 2 * partials].reshape(partials, 2)
-    records = records[np.argsort(records[:, 0], kind="stable")]  # (q block, kv block) order
-    hashes = np.ascontiguousarray(records[:, 1]).view(np.uint64)
-    _, first, entry = np.unique(hashes, return_index=True, return_inverse=True)  # ascending hash
-    offsets = np.cumsum(stats[:, 3]) - stats[:, 3]
-    lookup = np.concatenate([offsets, entry.reshape(-1), records[first, 0]]).astype(np.int64)
+    records = scan[2 + 4 * nqb:2 + 4 * nqb + 2 * partials].reshape(partials, 2)  # (block, hash), any order
+    hashes, first = np.unique(records[:, 1].view(np.uint64), return_index=True)  # ascending: the pool's order
+    lookup = np.concatenate([hashes.view(np.int64), records[first, 0]])
     max_blocks = max(int(stats[:, 0].max()) if nqb else 0, 1)
     # On the caller's stream, like any other build's layout: nothing more to wait for.
-    counts, idx, types, pidx, pool = backend.pieces_layout(pieces, piece_count, sizes, lookup, partials, len(first),
-                                                           max_blocks)
+    counts, idx, types, pidx, pool = backend.pieces_layout(pieces, piece_count, sizes, lookup, len(hashes), max_blocks)
     copies = batch_heads[0] * batch_heads[1]
-    visited = [int(stats[:, column].sum()) * copies for column in (2, 1, 3)]  # CAUSAL, FULL, PARTIAL
-    weights = np.asarray(WORK_WEIGHTS, dtype=np.int64)
-    work = (stats[:, 2] * weights[BlockType.CAUSAL] + stats[:, 1] * weights[BlockType.FULL]
-            + stats[:, 3] * weights[BlockType.PARTIAL]) * copies
-    summary = MaskSummary(counts=(nqb * nkvb * copies - sum(visited), *visited), q_block_work=work.astype(np.int64))
-    features = MaskFeatures(causal=bool(stats[:, 2].any()), partial=pool is not None)
+    listed, full, causal, partial = (int(t) * copies for t in stats.sum(axis=0))
+    weights = np.asarray(WORK_WEIGHTS, dtype=np.int64)[[BlockType.FULL, BlockType.CAUSAL, BlockType.PARTIAL]]
+    work = (stats[:, 1:] @ weights) * copies
+    summary = MaskSummary(counts=(nqb * nkvb * copies - listed, causal, full, partial), q_block_work=work)
+    features = MaskFeatures(causal=causal > 0, partial=pool is not None)
     xp = backend.xp
     counts = xp.broadcast_to(counts.reshape(1, 1, nqb), batch_heads + (nqb,))
     idx, types, pidx = (None if a is None else xp.broadcast_to(a.reshape(1, 1, nqb, max_blocks),
