@@ -280,3 +280,13 @@ def test_the_pieces_table_is_five_rows_of_int64():
     assert t.dtype == np.int64 and t.shape == (5 * len(mod.pieces.q),)
     np.testing.assert_array_equal(t.reshape(5, -1), np.stack([mod.pieces.q, mod.pieces.start, mod.pieces.start_slope,
                                                               mod.pieces.end, mod.pieces.end_slope]))
+
+
+def test_the_host_limit_on_q_blocks_is_the_kernels():
+    """pieces_build sends q blocks of up to MAX_Q_BLOCK_SIZE rows, a thread each; the kernels are
+    built for at most kMaxRows threads (their launch bounds and shared rows)."""
+    from omnicupy.jit import env
+
+    header = (env.kernels_dir() / "mask_pieces.cuh").read_text()
+    assert f"constexpr int kMaxRows = {pieces_build.MAX_Q_BLOCK_SIZE};" in header
+    assert kernels.pieces_threads(pieces_build.MAX_Q_BLOCK_SIZE) == pieces_build.MAX_Q_BLOCK_SIZE

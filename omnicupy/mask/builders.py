@@ -6,8 +6,9 @@ type, in which some blocks are still to be classified (EVALUATE). (A MaskMod who
 the causal ones, on a grid of at most ``CAUSAL_ROWS_MAX_SLOTS``, has its layout written
 arithmetically, the same arrays in a fraction of the time.) Where the items come from:
 
-- a MaskMod with exact row bounds (the built-in masks but dilated windows and or/not
-  combinations): the bounds give each row's window of kv blocks, which of them are FULL or CAUSAL,
+- a MaskMod with pieces (exact bounds given piecewise: the built-in masks but dilated windows and
+  and/or/not combinations), built on a device: two kernels do all of it (pieces_build.py);
+- a MaskMod with exact row bounds: the bounds give each row's window of kv blocks, which of them are FULL or CAUSAL,
   and, for the few blocks an interval end cuts, their element masks as one run of columns per
   row (patterns.py). The mask_mod is never called;
 - a MaskMod with inexact bounds: the windows rule blocks out; the blocks in them are evaluated;
@@ -23,8 +24,10 @@ bounds, O(cut blocks x q_block_size) for their patterns), never per slot of the 
 layout unless the arrays are NumPy. On a device (``xp`` CuPy) only omnicupy's own kernels run
 (kernels.py: compiled through omnicupy.jit and covered by ``omnicupy precompile``), plus the CuPy
 operations of a mask_mod that must be evaluated element by element. A structured build on the
-device is one upload of a table, one upload of the pool and one layout kernel: no wait for the
-device. An evaluated build waits once per chunk for the blocks' types and hashes, and once for
+device from pieces is a scan kernel, whose results it reads back on a stream of its own (so it
+does not wait behind the caller's work), and a layout kernel on the caller's stream; from row
+bounds, one upload of a table, one upload of the pool and one layout kernel, with no wait for
+the device. An evaluated build waits once per chunk for the blocks' types and hashes, and once for
 the check that blocks with equal hashes are equal.
 """
 from __future__ import annotations
