@@ -97,11 +97,12 @@ struct Scratch {
 // its rows decide its type. All four are 0 when no row allows anything.
 struct Window {
   int first, last, full_first, full_last;
-  __device__ bool is_full(int kv_block) const { return kv_block >= full_first && kv_block < full_last; }
   // The i-th block of the window in the order first .. full_first - 1, full_last .. last - 1 (cut
   // blocks), for i < cut_blocks().
   __device__ int cut_blocks() const { return (last - first) - (full_last - full_first); }
-  __device__ int cut_block(int i) const { return first + i < full_first ? first + i : full_last + (i - (full_first - first)); }
+  __device__ int cut_block(int i) const {
+    return first + i < full_first ? first + i : full_last + (i - (full_first - first));
+  }
 };
 
 __device__ inline Window window_of(const Row& row, const Sizes& n, Scratch& scratch) {

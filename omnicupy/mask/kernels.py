@@ -4,8 +4,9 @@
 A build on the GPU launches only these (plus, when a mask_mod must be evaluated element by element,
 the CuPy operations of that mask_mod itself): ``indices`` (the index arrays a mask_mod is called
 with), ``classify`` (bit-pack, type and hash blocks of boolean elements), ``gather``/``compare``
-(the pool from the blocks, and the check of equal hashes) and ``layout`` (flex's layout from the
-segments of layout.py). Each is one small ``MaskKernel`` spec; a kernel compiled at first use says so
+(the pool from the blocks, and the check of equal hashes), ``layout`` (flex's layout from the
+segments of layout.py), and ``pieces_scan``/``pieces_layout`` (a whole build from a MaskMod's
+pieces: pieces_build.py). Each is one small ``MaskKernel`` spec; a kernel compiled at first use says so
 once through the ``omnicupy.mask`` logger.
 
 ``Backend`` is what the builders call on a device: ``KernelBackend`` runs the kernels on CuPy arrays;
@@ -247,10 +248,9 @@ class KernelBackend(Backend):
     def stream(self):
         """A non-blocking stream of this device's own: a build that reads results back waits for
         its own kernels only, not behind work queued on the caller's stream."""
-        cp = self.xp
-        device = cp.cuda.runtime.getDevice()
+        device = self.device_id()
         if device not in _build_streams:
-            _build_streams[device] = cp.cuda.Stream(non_blocking=True)
+            _build_streams[device] = self.xp.cuda.Stream(non_blocking=True)
         return _build_streams[device]
 
     def pieces_scan(self, pieces, piece_count, sizes, capacity):
@@ -373,10 +373,14 @@ class EmulatedBackend(Backend):
             stats[:, column] = np.bincount(block[types == kind], minlength=nqb)
         stats[:, 0] = stats[:, 1:].sum(axis=1)
         flat = block[partial] * cdiv(kv_len, kbs) + kv_block[partial]
-        hashes = blocks.block_hashes(patterns.packed_bits(codes[partial], kbs)) if partial.any() else np.zeros(0, np.uint64)
-        records = np.stack([flat, hashes.view(np.int64)], axis=1)[::-1][:capacity]  # in no particular order, as atomics
+        hashes = (blocks.block_hashes(patterns.packed_bits(codes[partial], kbs)) if partial.any()
+                  else np.zeros(0, np.uint64))
+        records = np.stack([flat, hashes.view(np.int64)], axis=1)[::-1][:capacity]  # in no order, as the atomics
         _, first, group = np.unique(hashes, return_index=True, return_inverse=True)
-        collision = not np.array_equal(codes[partial], codes[partial][first[group.reshape(-1)]]) or bool(np.any(hashes == 0))
+        # The kernel's check: every block has the bits of the first block with its hash (a hash of 0
+        # cannot be claimed: also a collision).
+        same = np.array_equal(codes[partial], codes[partial][first[group.reshape(-1)]])
+        collision = not same or bool(np.any(hashes == 0))
         out = np.zeros(2 + 4 * nqb + 2 * capacity, dtype=np.int64)
         out[0], out[1] = len(flat), collision
         out[2:2 + 4 * nqb] = stats.reshape(-1)

@@ -83,6 +83,21 @@ def stub_device(package: str, xp: _HostModule) -> None:
             nb, idx, types, pidx = self.outputs[rows, max_blocks]
             return nb, idx, types, pidx if with_partial else None
 
+        # Builds from pieces (pieces_build.py): the scan's read back emulated once per input and
+        # then replayed, the layout kernel's outputs as above (what is timed is the host's part).
+        def pieces_scan(self, pieces, piece_count, sizes, capacity):
+            key = ("scan", pieces.tobytes(), sizes, capacity)
+            if key not in self.outputs:
+                self.outputs[key] = super().pieces_scan(pieces, piece_count, sizes, capacity)
+            return self.outputs[key]
+
+        def pieces_layout(self, pieces, piece_count, sizes, lookup, unique, max_blocks):
+            rows = -(-sizes[0] // sizes[2])
+            nb, idx, types, pidx = self.layout(None, rows, max_blocks, 0, True)
+            if ("pool", unique, sizes) not in self.outputs:
+                self.outputs["pool", unique, sizes] = np.zeros((unique, sizes[2], sizes[3] // 32), np.uint32)
+            return nb, idx, types, pidx if unique else None, self.outputs["pool", unique, sizes] if unique else None
+
     stub, real = Stub(), builders.backend_for
     builders.backend_for = lambda module: stub if module is xp else real(module)
 
