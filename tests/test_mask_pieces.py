@@ -290,3 +290,29 @@ def test_the_host_limit_on_q_blocks_is_the_kernels():
     header = (env.kernels_dir() / "mask_pieces.cuh").read_text()
     assert f"constexpr int kMaxRows = {pieces_build.MAX_Q_BLOCK_SIZE};" in header
     assert kernels.pieces_threads(pieces_build.MAX_Q_BLOCK_SIZE) == pieces_build.MAX_Q_BLOCK_SIZE
+
+
+# ------------------------------------------------------------------ and_masks of pieced masks
+PAIRS = [f for f in WITH_PIECES + EXTRA if f.values[0](8, 8).pieces is not None]
+
+
+@pytest.mark.parametrize("q_len", [77, 2049])
+@pytest.mark.parametrize("second", PAIRS)
+@pytest.mark.parametrize("first", PAIRS)
+def test_intersected_pieces_are_the_intersected_rows(first, second, q_len):
+    """and_masks of two pieced masks has pieces: each row's [max of the starts, min of the ends),
+    lines cut where two of them cross."""
+    a, b = first(q_len, q_len), second(q_len, q_len)
+    both = masks.and_masks(a, b)
+    start, end = both.pieces.rows(q_len)
+    (sa, ea), (sb, eb) = a.pieces.rows(q_len), b.pieces.rows(q_len)
+    np.testing.assert_array_equal(start, np.maximum(sa, sb))
+    np.testing.assert_array_equal(end, np.minimum(ea, eb))
+    assert len(both.pieces.q) <= 3 * (len(a.pieces.q) + len(b.pieces.q))
+
+
+def test_and_masks_keep_pieces_only_when_every_mask_has_them():
+    document = masks.document(masks.doc_ids_from_lengths([300, 500, 700]))
+    assert masks.and_masks(masks.sliding_window(64), document, masks.prefix_lm(10)).pieces is not None
+    assert masks.and_masks(masks.sliding_window(64), masks.dilated_sliding_window(8, 3)).pieces is None
+    assert pieces_build.applies(masks.and_masks(masks.sliding_window(64), document), kernels.EmulatedBackend(), 128)

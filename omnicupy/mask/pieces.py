@@ -148,6 +148,47 @@ def block_pieces(pieces: Pieces, q_len: int, qbs: int) -> BlockPieces:
                        first=np.searchsorted(edges, np.arange(cdiv(q_len, qbs) + 1) * qbs), qbs=qbs)
 
 
+def _at(pieces: Pieces, q: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(start, start_slope, end, end_slope) of the pieces that cover rows ``q``, their values at ``q``."""
+    i = np.searchsorted(pieces.q, q, side="right") - 1
+    shift = q - pieces.q[i]
+    return (pieces.start[i] + pieces.start_slope[i] * shift, pieces.start_slope[i],
+            pieces.end[i] + pieces.end_slope[i] * shift, pieces.end_slope[i])
+
+
+def _crossings(lo: np.ndarray, hi: np.ndarray, f: np.ndarray, f_slope: np.ndarray, g: np.ndarray,
+               g_slope: np.ndarray) -> np.ndarray:
+    """The rows strictly inside ``[lo, hi)`` where two lines of slopes 0 and 1 (values ``f``, ``g`` at
+    ``lo``) meet: from there on the rising one is the greater."""
+    rising, flat = np.where(f_slope > g_slope, f, g), np.where(f_slope > g_slope, g, f)
+    meet = lo + (flat - rising)
+    return meet[(f_slope != g_slope) & (meet > lo) & (meet < hi)]
+
+
+def intersect(a: Pieces, b: Pieces) -> Pieces:
+    """The pieces of the rows' intersections, ``[max(start_a, start_b), min(end_a, end_b))``: still lines
+    of slope 0 or 1, cut where two of them cross (what ``and_masks`` of two pieced masks allows)."""
+    lo = np.union1d(a.q, b.q)
+    hi = np.append(lo[1:], np.iinfo(np.int64).max)
+    sa, ssa, ea, esa = _at(a, lo)
+    sb, ssb, eb, esb = _at(b, lo)
+    q = np.union1d(lo, np.concatenate([_crossings(lo, hi, sa, ssa, sb, ssb), _crossings(lo, hi, ea, esa, eb, esb)]))
+    sa, ssa, ea, esa = _at(a, q)
+    sb, ssb, eb, esb = _at(b, q)
+    # Where two lines are equal at a row, the one that wins over the rest of its piece: for the
+    # greater start the rising one, for the lesser end the flat one.
+    start = np.maximum(sa, sb)
+    start_slope = np.where(sa > sb, ssa, np.where(sb > sa, ssb, np.maximum(ssa, ssb)))
+    end = np.minimum(ea, eb)
+    end_slope = np.where(ea < eb, esa, np.where(eb < ea, esb, np.minimum(esa, esb)))
+    # A piece that only continues the one before it is dropped.
+    shift = np.diff(q)
+    same = ((start_slope[1:] == start_slope[:-1]) & (start[1:] == start[:-1] + start_slope[:-1] * shift)
+            & (end_slope[1:] == end_slope[:-1]) & (end[1:] == end[:-1] + end_slope[:-1] * shift))
+    keep = np.concatenate([[True], ~same])
+    return Pieces.of(q[keep], start[keep], start_slope[keep], end[keep], end_slope[keep])
+
+
 def _mixed(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser (uint64, wrapping): a sum of mixed values keeps which fields went together."""
     x = x ^ (x >> np.uint64(30))
@@ -207,4 +248,4 @@ def _same_keys(fields: np.ndarray, starts: np.ndarray, rep: np.ndarray) -> bool:
     return bool(np.array_equal(fields, fields[np.repeat(starts[rep], count) + offset]))
 
 
-__all__ = ["Pieces", "BlockPieces", "block_pieces", "group_cut_blocks"]
+__all__ = ["Pieces", "BlockPieces", "block_pieces", "group_cut_blocks", "intersect"]

@@ -26,7 +26,7 @@ from .. import arrays
 from ..errors import MaskError
 from .mask_mod import (EVALUATE, LookupTable, MaskMod, array_module_of, as_bool_result, check_mask_int,
                        check_mask_mod)
-from .pieces import Pieces
+from .pieces import Pieces, intersect
 
 # ------------------------------------------------------------------------------------- band masks
 def causal(offset: int = 0) -> MaskMod:
@@ -281,8 +281,13 @@ def and_masks(*mask_mods: Callable) -> MaskMod:
                 start, end = xp.maximum(start, s), xp.minimum(end, e)
             return start, end
 
+    # Pieces (exact bounds, the same for every b and h) intersect into pieces.
+    pieces = None
+    if mods and all(m.pieces is not None for m in mods):
+        pieces = functools.reduce(intersect, (m.pieces for m in mods))
     name = f"and_masks({', '.join(m.name for m in mods)})"
-    return _combined(and_masks, name, mods, bounds=bounds, bounds_exact=all(m.bounds_exact for m in mods))
+    return _combined(and_masks, name, mods, bounds=bounds, bounds_exact=all(m.bounds_exact for m in mods),
+                     pieces=pieces)
 
 
 def or_masks(*mask_mods: Callable) -> MaskMod:
