@@ -299,3 +299,15 @@ def test_a_collision_in_the_scan_kernel_falls_back_to_the_host_path(mod, qbs, mo
     # Against the host path under the same hashes (they also order the pool).
     assert_same_metadata(on_gpu, builders.from_mask_mod(mod, None, None, 2000, 2000, q_block_size=qbs,
                                                         kv_block_size=qbs, xp=np))
+
+
+def test_gpu_build_from_pieces_at_2_24():
+    """Issue 13's largest case on the device path: a sliding window at N = 2**24 (131072 q blocks:
+    the scan's list and hash table at their largest) equals the host build, picture included."""
+    n = 2**24
+    on_gpu = builders.from_mask_mod(masks.sliding_window(1024), None, None, n, n, xp=cp)
+    on_host = builders.from_mask_mod(masks.sliding_window(1024), None, None, n, n, xp=np)
+    assert on_gpu._runs is None and on_gpu.kv_indices.shape == (1, 1, n // 128, 9)
+    assert_same_metadata(on_gpu, on_host, "2**24")
+    np.testing.assert_array_equal(on_gpu.q_block_work, on_host.q_block_work)
+    assert on_gpu.to_string() == on_host.to_string()
