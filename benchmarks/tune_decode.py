@@ -24,8 +24,8 @@ heuristic, which counts CTAs per SM from the tile's shared memory, unless a cand
   w2s3_fused    w2s3 + fused
   splits_x2     base with twice the heuristic's splits (more waves)
   splits_half   base with half of them (fewer partials)
-Paged candidates (--paged): base, fused and w2s3_fused on page sizes 16 and 64 (name/ps16,
-name/ps64).
+Paged candidates (--paged): base, fused and w2s3_fused (--nq 16: base and fused) on page sizes 16
+and 64 (name/ps16, name/ps64).
 With --nq 16 (GQA 4 x 16 positions: 64-row m tiles of 4 row warps per kv group; shipped 8 warps,
 3 stages = 2 kv groups, 218 KB):
   w4s3          one kv group, 3 stages (70 KB: 3 CTAs/SM)
@@ -76,7 +76,8 @@ CANDIDATES = {c.name: c for c in (
 #: The default candidates per Nq (the 64-row ones make no 16-row tile and the reverse).
 DEFAULT_CANDIDATES = {1: ("base", "fused", "w4s2", "w2s3", "w3s2", "w1s4", "w2s3_fused", "splits_x2", "splits_half"),
                       16: ("base", "fused", "w4s3", "w4s4", "w8s2", "splits_x2")}
-PAGED_CANDIDATES = ("base", "fused", "w2s3_fused")
+#: The paged candidates per Nq (as DEFAULT_CANDIDATES: a 16-row tile's warp counts make no 64-row tile).
+PAGED_CANDIDATES = {1: ("base", "fused", "w2s3_fused"), 16: ("base", "fused")}
 
 
 class Setup:
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default="", help="default: DEFAULT_CANDIDATES for --nq")
     ap.add_argument("--nq", type=int, default=1, help="queries per sequence (16: 64-row m tiles)")
     ap.add_argument("--paged", default="16,64", help="page sizes for the paged candidates ('' for none)")
-    ap.add_argument("--paged-candidates", default=",".join(PAGED_CANDIDATES), help="candidates run on the paged caches")
+    ap.add_argument("--paged-candidates", default="",
+                    help="candidates run on the paged caches (default: PAGED_CANDIDATES for --nq)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     cells = ([tuple(int(x) for x in c.split(":")) for c in args.cells.split(",") if c]
              or [(B, N) for B in bd.BATCHES for N in bd.LENGTHS])
     names = [n for n in args.candidates.split(",") if n] or list(DEFAULT_CANDIDATES.get(args.nq, ("base",)))
-    paged_names = [n for n in args.paged_candidates.split(",") if n]
+    paged_names = [n for n in args.paged_candidates.split(",") if n] or list(PAGED_CANDIDATES.get(args.nq, ("base",)))
     unknown = [n for n in names + paged_names if n not in CANDIDATES]
     if unknown:
         ap.error(f"unknown candidates {unknown}; have {list(CANDIDATES)}")
