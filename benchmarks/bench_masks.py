@@ -6,7 +6,8 @@ create_block_mask (when torch imports and sees a GPU), and where the host's time
 
 Rows per mask and N:
 - ``structured``: the built-in mask (its block structure known; the exact ones are built from their
-  row bounds without evaluating an element); for the random masks, ``from_dense`` on the dense
+  row bounds without evaluating an element; on a GPU, those with pieces by pieces_build.py's two
+  kernels); for the random masks, ``from_dense`` on the dense
   mask (already on the device: the input, not timed).
 - ``generic``: the same rule as an opaque function: every block evaluated (up to --generic-max-n).
 - ``rule``: ``BlockMask.causal`` (host arrays) plus its first ``device_metadata()`` (causal only).
