@@ -1,15 +1,32 @@
 """Built-in masks with parameters that make sense at small sizes, shared by the mask, builder and
 attention tests.
 
+``HOST_AS_DEVICE``: NumPy under another name, for the builders' device path on the CPU.
+
 ``MASK_CASES``: ``(id, factory)`` pairs; ``factory(q_len, kv_len)`` returns a mask_mod defined for
 those lengths (masks with lookup tables get tables long enough). Use them as
 ``pytest.mark.parametrize("factory", [pytest.param(f, id=i) for i, f in MASK_CASES])``.
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 from omnicupy import masks
+
+
+class _HostAsDevice(types.ModuleType):
+    """NumPy under another name: builders given it take their device branches (device-size chunks,
+    the layout written by binary search and gathers, builds from pieces through the kernels' NumPy
+    emulation, kernels.EmulatedBackend) with NumPy arrays, so that those branches run, and are
+    compared with the host's, without a GPU."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+HOST_AS_DEVICE = _HostAsDevice("host_as_device")
 
 
 def _cut(sizes, total: int) -> list[int]:

@@ -6,7 +6,7 @@ compute-sanitizer; each build is compared with the host path's, array for array.
     compute-sanitizer --tool synccheck --report-api-errors no python3 tests/sanitize_masks.py
 
 Sizes with tails both ways (300 x 77, 77 x 300, 1025 x 1025) and block shapes from 16 x 32 to
-48 x 256 (one warp to eight). Exits 1 if a build differs.
+48 x 256 (one warp to eight). Exits 1 if a build differs (``differences``: also used by tools/dev/pieces_check.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import cupy as cp
 import numpy as np
 
-from omnicupy import arrays
+from omnicupy import BlockMask, arrays
 from omnicupy.mask import builders
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -24,6 +24,21 @@ from mask_cases import MASK_CASES  # noqa: E402
 METADATA = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
 SIZES = [(300, 77), (77, 300), (1025, 1025)]
 BLOCKS = [(64, 64), (16, 32), (48, 256), (128, 128)]
+
+
+def differences(got: BlockMask, want: BlockMask) -> list[str]:
+    """What differs between two builds of one mask (empty when they are equal): the metadata arrays,
+    the summary and features, the q blocks' work."""
+    found = []
+    for field in METADATA:
+        a, b = getattr(got, field), getattr(want, field)
+        if (a is None) != (b is None) or (a is not None and not np.array_equal(arrays.to_numpy(a), arrays.to_numpy(b))):
+            found.append(field)
+    if got.summary.counts != want.summary.counts or got.features != want.features:
+        found.append("summary or features")
+    if not np.array_equal(got.q_block_work, want.q_block_work):
+        found.append("q_block_work")
+    return found
 
 
 def main() -> int:
@@ -37,11 +52,9 @@ def main() -> int:
                 sizes = dict(q_block_size=qbs, kv_block_size=kbs)
                 got = builders.from_mask_mod(mod, None, None, q_len, kv_len, xp=cp, **sizes)
                 want = builders.from_mask_mod(mod, None, None, q_len, kv_len, xp=np, **sizes)
-                for field in METADATA:
-                    a, b = getattr(got, field), getattr(want, field)
-                    if (a is None) != (b is None) or (a is not None and not np.array_equal(arrays.to_numpy(a), b)):
-                        print(f"DIFFERS: {name} {q_len}x{kv_len} blocks {qbs}x{kbs}: {field}")
-                        wrong += 1
+                for field in differences(got, want):
+                    print(f"DIFFERS: {name} {q_len}x{kv_len} blocks {qbs}x{kbs}: {field}")
+                    wrong += 1
                 built += 1
     cp.cuda.Device().synchronize()
     print(f"pieces builds checked: {built}, differing arrays: {wrong}")

@@ -1,7 +1,6 @@
 """BlockMask builders: from_mask_mod (structured and generic paths), from_dense, from_flex, validation."""
 from __future__ import annotations
 
-import types
 
 import numpy as np
 import pytest
@@ -14,24 +13,12 @@ from omnicupy.mask.mask_mod import LookupTable
 from omnicupy.errors import MaskError
 from omnicupy.reference import dense_mask_from_mod
 
-from mask_cases import MASK_CASES
+from mask_cases import HOST_AS_DEVICE, MASK_CASES
 
 META = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
 CASE_PARAMS = [pytest.param(factory, id=case_id) for case_id, factory in MASK_CASES]
 SIZES = [(1, 1), (77, 300), (300, 77), (1000, 1000), (1000, 333)]
 BLOCKS = [(64, 64), (128, 128), (64, 128)]
-
-
-class _HostAsDevice(types.ModuleType):
-    """NumPy under another name: builders given it take their device branches (device-size chunks,
-    the layout written by binary search and gathers, the pool gathered where the bits are) with
-    NumPy arrays, so that those branches run, and are compared with the host's, without a GPU."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
-HOST_AS_DEVICE = _HostAsDevice("host_as_device")
 
 
 @pytest.fixture

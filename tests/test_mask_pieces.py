@@ -4,7 +4,6 @@ path (every block evaluated) and the element-level rule say."""
 from __future__ import annotations
 
 import logging
-import types
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from omnicupy import BlockMask
 from omnicupy.mask import builders, kernels, layout, mask_mod, pieces, pieces_build
 from omnicupy.reference import dense_mask_from_mod
 
-from mask_cases import MASK_CASES, alternating_segments, random_lengths
+from mask_cases import HOST_AS_DEVICE, MASK_CASES, alternating_segments, random_lengths
 
 METADATA = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
 WITH_PIECES = [pytest.param(f, id=i) for i, f in MASK_CASES if f(8, 8).pieces is not None]
@@ -187,16 +186,9 @@ def test_builds_take_pieces_from_the_threshold_on(monkeypatch, q_len, from_piece
 
 # ------------------------------------------------------------------ builds from pieces on a device
 # pieces_build.py through kernels.EmulatedBackend (the kernels' contracts in NumPy): the host's part
-# of a device build (records sorted, pool entries by hash, offsets, summary) against the host path.
+# of a device build (the pool from the hashes, the summary from the counts, a second scan, the
+# collision fallback) against the host path.
 # The kernels themselves are compared with the same host builds in tests/test_mask_kernels_gpu.py.
-class _HostAsDevice(types.ModuleType):
-    """NumPy under another name: builders take their device branch, with the emulated kernels."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
-HOST_AS_DEVICE = _HostAsDevice("host_as_device")
 
 
 def assert_same_build(got: BlockMask, want: BlockMask, what: str) -> None:

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import time
 import tracemalloc
-import types
 
 import numpy as np
 import pytest
@@ -20,19 +19,9 @@ from omnicupy.mask import builders, display, kernels, layout
 from omnicupy.mask.types import BLOCK_CHARS, BlockType, cdiv
 
 from helpers import random_block_mask, shuffled
-from mask_cases import MASK_CASES
+from mask_cases import HOST_AS_DEVICE, MASK_CASES
 
 CASE_PARAMS = [pytest.param(factory, id=case_id) for case_id, factory in MASK_CASES]
-
-
-class _HostAsDevice(types.ModuleType):
-    """NumPy under another name: builders given it take the device path with the kernels' NumPy emulation."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
-HOST_AS_DEVICE = _HostAsDevice("host_as_device")
 
 
 def measured(build):

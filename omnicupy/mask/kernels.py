@@ -28,6 +28,7 @@ from ..errors import VariantError
 from . import blocks, patterns
 from .blocks import PARTIAL, block_types, hash_multipliers
 from .mask_mod import CAUSAL, FULL, MASKED
+from .pieces import Pieces
 from .types import PARTIAL_WORD_BITS, cdiv, cpp_enum
 
 logger = logging.getLogger("omnicupy.mask")
@@ -413,12 +414,9 @@ def _pieces_blocks(pieces: np.ndarray, piece_count: int, sizes: tuple[int, int, 
     FULL shortcut (the emulation: small sizes only)."""
     q_len, kv_len, qbs, kbs = sizes
     nqb = cdiv(q_len, qbs)
-    q, start, start_slope, end, end_slope = pieces.reshape(5, piece_count)
-    rows = np.arange(nqb * qbs)
-    i = np.searchsorted(q, rows, side="right") - 1
-    first = np.clip(start[i] + start_slope[i] * (rows - q[i]), 0, kv_len).reshape(nqb, qbs)
-    last = np.clip(end[i] + end_slope[i] * (rows - q[i]), 0, kv_len).reshape(nqb, qbs)
-    allows = (first < last) & (rows < q_len).reshape(nqb, qbs)
+    first, last = (np.clip(a, 0, kv_len).reshape(nqb, qbs)
+                   for a in Pieces(*pieces.reshape(5, piece_count)).rows(nqb * qbs))
+    allows = (first < last) & (np.arange(nqb * qbs) < q_len).reshape(nqb, qbs)
     big = np.iinfo(np.int64).max
     lo = np.where(allows, first, big).min(axis=1) // kbs  # [lo, hi): the kv blocks some row reaches, and
     hi = -(-np.where(allows, last, 0).max(axis=1) // kbs)  # between two reached ones (MASKED, if any)

@@ -54,9 +54,15 @@ class Pieces:
 
     def rows(self, q_len: int) -> tuple[np.ndarray, np.ndarray]:
         """``start``, ``end`` of rows ``0 .. q_len - 1`` (``[q_len]`` int64): the bounds these pieces stand for."""
-        q = np.arange(q_len)
+        start, _, end, _ = self.at(np.arange(q_len))
+        return start, end
+
+    def at(self, q: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(start, start_slope, end, end_slope) of rows ``q``: the bounds there and their slopes."""
         i = np.searchsorted(self.q, q, side="right") - 1
-        return self.start[i] + self.start_slope[i] * (q - self.q[i]), self.end[i] + self.end_slope[i] * (q - self.q[i])
+        shift = q - self.q[i]
+        return (self.start[i] + self.start_slope[i] * shift, self.start_slope[i],
+                self.end[i] + self.end_slope[i] * shift, self.end_slope[i])
 
 
 @dataclass(frozen=True)
@@ -148,14 +154,6 @@ def block_pieces(pieces: Pieces, q_len: int, qbs: int) -> BlockPieces:
                        first=np.searchsorted(edges, np.arange(cdiv(q_len, qbs) + 1) * qbs), qbs=qbs)
 
 
-def _at(pieces: Pieces, q: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(start, start_slope, end, end_slope) of the pieces that cover rows ``q``, their values at ``q``."""
-    i = np.searchsorted(pieces.q, q, side="right") - 1
-    shift = q - pieces.q[i]
-    return (pieces.start[i] + pieces.start_slope[i] * shift, pieces.start_slope[i],
-            pieces.end[i] + pieces.end_slope[i] * shift, pieces.end_slope[i])
-
-
 def _crossings(lo: np.ndarray, hi: np.ndarray, f: np.ndarray, f_slope: np.ndarray, g: np.ndarray,
                g_slope: np.ndarray) -> np.ndarray:
     """The rows strictly inside ``[lo, hi)`` where two lines of slopes 0 and 1 (values ``f``, ``g`` at
@@ -170,11 +168,11 @@ def intersect(a: Pieces, b: Pieces) -> Pieces:
     of slope 0 or 1, cut where two of them cross (what ``and_masks`` of two pieced masks allows)."""
     lo = np.union1d(a.q, b.q)
     hi = np.append(lo[1:], np.iinfo(np.int64).max)
-    sa, ssa, ea, esa = _at(a, lo)
-    sb, ssb, eb, esb = _at(b, lo)
+    sa, ssa, ea, esa = a.at(lo)
+    sb, ssb, eb, esb = b.at(lo)
     q = np.union1d(lo, np.concatenate([_crossings(lo, hi, sa, ssa, sb, ssb), _crossings(lo, hi, ea, esa, eb, esb)]))
-    sa, ssa, ea, esa = _at(a, q)
-    sb, ssb, eb, esb = _at(b, q)
+    sa, ssa, ea, esa = a.at(q)
+    sb, ssb, eb, esb = b.at(q)
     # Where two lines are equal at a row, the one that wins over the rest of its piece: for the
     # greater start the rising one, for the lesser end the flat one.
     start = np.maximum(sa, sb)

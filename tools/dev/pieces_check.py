@@ -28,10 +28,10 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from benchmarks import bench_masks  # noqa: E402
 from mask_cases import MASK_CASES, alternating_segments, random_lengths  # noqa: E402
-from omnicupy import BlockMask, arrays, masks  # noqa: E402
+from sanitize_masks import differences  # noqa: E402
+from omnicupy import BlockMask, masks  # noqa: E402
 from omnicupy.mask import builders, pieces_build  # noqa: E402
 
-METADATA = ("kv_num_blocks", "kv_indices", "block_mask_types", "partial_block_mask_indices", "partial_block_masks")
 EXTRA = [
     ("document_tiny", lambda q, k: masks.document(masks.doc_ids_from_lengths(random_lengths(max(q, k), 1, 9, seed=5)))),
     ("interleaved_3_200", lambda q, k: masks.interleaved(alternating_segments(max(q, k), 3, 200))),
@@ -51,20 +51,6 @@ def large_mask(name: str, n: int) -> masks.MaskMod:
     if name == "sliding_document":  # a 1024 window within the benchmark's documents
         return masks.and_masks(masks.sliding_window(1024), bench_masks.workload("document", n))
     return bench_masks.workload(name, n)
-
-
-def differences(got: BlockMask, want: BlockMask) -> list[str]:
-    """What differs between two builds (empty when they are equal)."""
-    found = []
-    for field in METADATA:
-        a, b = getattr(got, field), getattr(want, field)
-        if (a is None) != (b is None) or (a is not None and not np.array_equal(arrays.to_numpy(a), arrays.to_numpy(b))):
-            found.append(field)
-    if got.summary.counts != want.summary.counts or got.features != want.features:
-        found.append("summary or features")
-    if not np.array_equal(got.q_block_work, want.q_block_work):
-        found.append("q_block_work")
-    return found
 
 
 def check() -> None:
