@@ -12,8 +12,8 @@
 //                            partial / kv-tail masking)
 //   fragments                store_ds_rows (dSᵀ to shared memory for dQ; zero and pack_a are in
 //                            mma_tiles.cuh, shared with the decode)
-//   dQ                       the deterministic order: dq_semaphore, load_acquire / store_release;
-//                            the mma.sync kernel's adds and turns: red_add2, add_dq_rows,
+//   dQ                       the mma.sync kernel's deterministic order: dq_semaphore, load_acquire /
+//                            store_release; its adds and turns: red_add2, add_dq_rows,
 //                            wait_dq_turn, pass_dq_turn (the wgmma kernel stages dQ and adds it
 //                            with bulk reductions of its own, kernels/dq_tiles.cuh)
 //   epilogue                 store_dk_dv_rows (dK scaled, dV; padding columns skipped)
@@ -229,38 +229,6 @@ __device__ __forceinline__ void store_ds_rows(u16* sdS, const u32 (&a)[kSteps][4
     *reinterpret_cast<u32*>(r + 8) = a[kk][2];
     *reinterpret_cast<u32*>(r + 8 * kLdS + 8) = a[kk][3];
   }
-}
-
-// ---------------------------------------------------------------- which CTA
-// Heads (kv head, batch pairs) dispatched together by deterministic_cta.
-constexpr int kDeterministicHeadGroup = 4;
-
-// The (kv tile, column pass, kv head, batch) of a CTA of the wgmma family's deterministic kernel;
-// the grid is (kv tiles x column passes, kv heads, batch), dispatched in linear order.
-// Deterministic dQ adds each q tile's kv tiles in decreasing order (ops/backward_index.py, ranks)
-// and a CTA spins until its turn, so it may only wait for CTAs dispatched before it: the last kv
-// tile goes first. Dispatched head by head, one head's co-resident kv tiles all start at its
-// first q tile and the j-th waits j steps for its turn (a staircase as deep as the SMs hold CTAs).
-// So these CTAs go out in groups of kDeterministicHeadGroup heads, and within a group by kv tile
-// with the heads fastest: each head has a quarter of the resident CTAs, a new CTA starts steps
-// behind its predecessor instead of beside it, and the group's Q and dO (4 heads) still fit in L2.
-// With every head at once the L2 lost more than the waits saved (NOTES.md §18). (The mma.sync
-// kernel, one kernel for both modes, keeps the head-by-head order: its atomic code must not move.)
-struct Cta {
-  int kv_tile, pass, hk, batch;
-};
-
-__device__ __forceinline__ Cta deterministic_cta(int passes) {
-  const int per_head = static_cast<int>(gridDim.x);                   // kv tiles x passes
-  const int heads = static_cast<int>(gridDim.y * gridDim.z);          // (kv head, batch) pairs
-  const int linear = static_cast<int>(blockIdx.x) + per_head * static_cast<int>(blockIdx.y + gridDim.y * blockIdx.z);
-  const int group = linear / (kDeterministicHeadGroup * per_head);    // every group before it is full
-  const int first = group * kDeterministicHeadGroup;
-  const int size = min(kDeterministicHeadGroup, heads - first);
-  const int within = linear - first * per_head;
-  const int hb = first + within % size, rest = within / size;        // rest: dispatch rank of (kv tile, pass)
-  return {per_head / passes - 1 - rest / passes, rest % passes, hb % static_cast<int>(gridDim.y),
-          hb / static_cast<int>(gridDim.y)};
 }
 
 // ---------------------------------------------------------------- deterministic dQ order

@@ -5,6 +5,19 @@
 //                    with no allowed key and for padded rows, so that exp2(s - lse) is exactly 0
 //                    there), and the row of the fp32 dQ accumulator zeroed.
 //   convert_dq:      dq = scale * dq_accum in the input dtype.
+//   kv_bounds:       max |K| and max |V_j| per (batch, kv head), for the fixed-point dQ below.
+//
+// Fixed-point dQ (the wgmma backward's deterministic=True; p.dq_unit set): the kv tiles add their
+// dQ contributions as 32-bit integers, round(c * unit_i) for row i, and integer adds give the same
+// sum in any order, so no kv tile waits for another (the ordered fp32 adds they replace cost
+// 1.2-2x the default's time: NOTES.md §38). unit_i = 2^x is chosen per row so that no partial sum
+// can leave the int32 range:
+//   |dQ_i[d]| <= sum_j |dS_ij| |K_j[d]| <= (|dO_i| max_j |V_j| + |delta_i|) max_j,d |K_j[d]| sum_j P_ij
+// (|dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|; dS_ij = P_ij (dP_ij - delta_i) times a score modifier's
+// derivative, which dispatch admits here only where it is at most 1 in size; sum_j P_ij = 1 for the
+// forward's LSE). The bound sits below 2^30, so the other half of the range absorbs the rounding of
+// each contribution and of P. Rows whose bound is not finite (inf or NaN inputs) get a NaN unit and
+// a NaN dQ row, as the fp32 sum would.
 //
 // kTiledDq: the accumulator in the wgmma backward's tiles (dq_tiles.cuh), else in rows
 // [bh][q_len][kHeadDim] (the mma.sync backward's).
@@ -51,6 +64,81 @@ __device__ __forceinline__ float dot8(const Vec16& a, const Vec16& b) {
   return s;
 }
 
+// NaN-propagating max of non-negative values (fmaxf drops a NaN; the bound must keep it).
+__device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// Largest |x| over the eight 16-bit values of a chunk, and their sum of squares.
+template <typename T>
+__device__ __forceinline__ float abs_max8(const Vec16& a) {
+  const u32 w[4] = {a.x, a.y, a.z, a.w};
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m = max_keep_nan(m, fabsf(T::to_float(static_cast<u16>(w[i] & 0xffffu))));
+    m = max_keep_nan(m, fabsf(T::to_float(static_cast<u16>(w[i] >> 16))));
+  }
+  return m;
+}
+
+// unit_i = 2^x for a row whose dQ is bounded by `bound` (above): bound * unit_i < 2^30. Built from
+// the bits, exactly; x clamped to the normal range, so 1 / unit_i is a float too (dq_unit_inverse).
+__device__ __forceinline__ float dq_unit_for(float bound) {
+  if (!(bound <= 3.402823466e38f)) return __int_as_float(0x7fffffff);  // inf or NaN: a NaN unit
+  const int e = static_cast<int>((__float_as_uint(bound) >> 23) & 0xffu) - 126;  // bound < 2^e
+  const int x = min(126, max(-126, 30 - e));
+  return __int_as_float((127 + x) << 23);
+}
+__device__ __forceinline__ float dq_unit_inverse(float unit) {
+  return unit != unit ? unit : __int_as_float(0x7f000000 - __float_as_int(unit));  // 2^-x
+}
+
+// Rows of K and V one CTA of kv_bounds reads (a multiple of every RowShape's kRowsPerCta).
+constexpr int kBoundRows = 256;
+
+// grid (cdiv(kv_len, kBoundRows), Hkv, B). p.kv_bound[b, hk] = (max |K|, max |V_j|^2) over the
+// kv_len rows, by atomicMax on the floats' bits (non-negative floats order as their bits, and a
+// NaN above every number); the host zeroes it first.
+template <int kHeadDimValid, typename T, typename P>
+__device__ __forceinline__ void kv_bounds(const P& p) {
+  using R = RowShape<kHeadDimValid>;
+  static_assert(kBoundRows % R::kRowsPerCta == 0, "every warp takes the same number of rows");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int l = lane % R::kLanes;
+  const int hk = blockIdx.y, batch = blockIdx.z;
+  float k_max = 0.f, v_max = 0.f;
+  for (int r = warp * R::kRowsPerWarp + lane / R::kLanes; r < kBoundRows; r += R::kRowsPerCta) {
+    const int row = blockIdx.x * kBoundRows + r;
+    float v_sq = 0.f;
+    if (row < p.kv_len && l < R::kChunks) {
+      const Vec16 k = *reinterpret_cast<const Vec16*>(p.k + batch * p.k_sb + hk * p.k_sh + row * p.k_sn + l * 8);
+      const Vec16 v = *reinterpret_cast<const Vec16*>(p.v + batch * p.v_sb + hk * p.v_sh + row * p.v_sn + l * 8);
+      k_max = max_keep_nan(k_max, abs_max8<T>(k));
+      v_sq = dot8<T>(v, v);
+    }
+#pragma unroll
+    for (int m = R::kLanes / 2; m >= 1; m /= 2) v_sq += shfl_xor(v_sq, m);  // the row's |V_j|^2
+    v_max = max_keep_nan(v_max, v_sq);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m /= 2) {
+    k_max = max_keep_nan(k_max, shfl_xor(k_max, m));
+    v_max = max_keep_nan(v_max, shfl_xor(v_max, m));
+  }
+  __shared__ float warp_max[2][kRowWarps];
+  if (lane == 0) {
+    warp_max[0][warp] = k_max;
+    warp_max[1][warp] = v_max;
+  }
+  __syncthreads();
+  if (threadIdx.x < 2) {
+    float m = 0.f;
+#pragma unroll
+    for (int w = 0; w < kRowWarps; ++w) m = max_keep_nan(m, warp_max[threadIdx.x][w]);
+    const i64 bhk = static_cast<i64>(batch) * (p.num_heads / p.kv_group) + hk;
+    atomicMax(reinterpret_cast<unsigned*>(p.kv_bound) + 2 * bhk + threadIdx.x, __float_as_uint(m));
+  }
+}
+
 // kHeadDim: the tile's columns (the dQ accumulator's row stride); kHeadDimValid: the caller's (rows
 // of o, dout and dq), smaller in a padded variant.
 template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
@@ -64,19 +152,31 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
   const bool in_workspace = row < p.q_len_pad;  // real or padding rows of the q_len_pad
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
   const bool real = row < p.q_len;
-  float dot = 0.f;
+  const bool fixed_point = p.dq_unit != nullptr;  // the deterministic wgmma backward (above)
+  float dot = 0.f, do_sq = 0.f;
   if (real && l < R::kChunks) {
     const Vec16 o = *reinterpret_cast<const Vec16*>(p.o + batch * p.o_sb + head * p.o_sh + row * p.o_sn + l * 8);
     const Vec16 d = *reinterpret_cast<const Vec16*>(p.dout + batch * p.do_sb + head * p.do_sh + row * p.do_sn + l * 8);
     dot = dot8<T>(o, d);
+    if (fixed_point) do_sq = dot8<T>(d, d);
   }
 #pragma unroll
   for (int m = R::kLanes / 2; m >= 1; m /= 2) dot += shfl_xor(dot, m);  // within the row's lane group
+  if (fixed_point) {
+#pragma unroll
+    for (int m = R::kLanes / 2; m >= 1; m /= 2) do_sq += shfl_xor(do_sq, m);
+  }
   if (!in_workspace) return;
   if (l == 0) {
     const float lse = real ? p.lse[bh * p.q_len + row] : neg_inf();
     p.lse_log2[bh * p.q_len_pad + row] = lse == neg_inf() ? pos_inf() : lse * kLog2e;
     p.delta[bh * p.q_len_pad + row] = real ? dot : 0.f;
+    if (fixed_point) {
+      const i64 bhk = static_cast<i64>(batch) * (p.num_heads / p.kv_group) + head / p.kv_group;
+      const float k_max = p.kv_bound[2 * bhk], v_max = sqrtf(p.kv_bound[2 * bhk + 1]);
+      const float bound = (sqrtf(do_sq) * v_max + fabsf(dot)) * k_max;
+      p.dq_unit[bh * p.q_len_pad + row] = dq_unit_for(real ? bound : 0.f);
+    }
   }
   if constexpr (kTiledDq) {  // every row of the q_len_pad (the tail tile's padding rows are added into too)
     const int tile = row / dq_tiles::kRows, r = row % dq_tiles::kRows;
@@ -112,7 +212,13 @@ __device__ __forceinline__ void convert_dq(const P& p) {
     a = src[0];
     b = src[1];
   }
-  const float s = p.scale;
+  float s = p.scale;
+  if (p.dq_unit != nullptr) {  // fixed point (above): the int32 sums, scaled by 1 / unit
+    s *= dq_unit_inverse(p.dq_unit[bh * p.q_len_pad + row]);
+    const auto real = [](u32 w) { return __float_as_uint(static_cast<float>(static_cast<int>(w))); };
+    a = Vec16{real(a.x), real(a.y), real(a.z), real(a.w)};
+    b = Vec16{real(b.x), real(b.y), real(b.z), real(b.w)};
+  }
   Vec16 out;
   out.x = T::pack(__uint_as_float(a.x) * s, __uint_as_float(a.y) * s);
   out.y = T::pack(__uint_as_float(a.z) * s, __uint_as_float(a.w) * s);

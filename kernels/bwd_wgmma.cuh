@@ -15,8 +15,8 @@
 //                     wgmma rs with K N-major; the fp32 result staged in Q's and dO's buffers
 //                     in the accumulator's tile layout (dq_tiles.cuh) and added with bulk
 //                     reductions (cp.reduce.async.bulk): by each warp for its own rows at D = 128,
-//                     else by thread 0 for the q tile, in the fixed kv order of the mma.sync
-//                     kernel when deterministic
+//                     else by thread 0 for the q tile; when deterministic as int32 fixed point
+//                     (bwd_rows.cuh), whose sum is the same in any order
 //
 // Every tile the tensor cores read (K, V, Q, dO) sits in the 128-byte-swizzled layout of
 // kernels/wgmma.cuh, which serves as K-major (Sᵀ, dPᵀ: contraction over the head dim) and as
@@ -232,9 +232,11 @@ __device__ __forceinline__ void hold(const u32 (&a)[kSteps][4]) {
 // per store instruction (the layout's point). The swizzle only permutes the bits 5-7 of a row's
 // byte offsets that n8 tile dt sets, so every store's address is one base XOR dt << 5: the base
 // is formed here (opaque to the compiler), so that no table of 2 x kTiles addresses is hoisted out
-// of the q-tile loop into registers.
-template <int kTiles>
-__device__ __forceinline__ void stage_dq(u32 piece, const float (&acc)[kTiles][4], int row, int lane_col) {
+// of the q-tile loop into registers. kFixedPoint: rows `row` and row + 8 as int32, times their
+// units (bwd_rows.cuh's fixed-point dQ; cvt.rni saturates, never wraps).
+template <int kTiles, bool kFixedPoint = false>
+__device__ __forceinline__ void stage_dq(u32 piece, const float (&acc)[kTiles][4], int row, int lane_col,
+                                         float unit_row = 1.f, float unit_row8 = 1.f) {
   static_assert(kTiles == dq_tiles::kCols / 8, "one n8 tile per 32 bytes of a 256-byte row");
   const int x = row & 7;
   u32 base = piece + row * dq_tiles::kCols * 4 + ((((lane_col >> 2) ^ x) & 1) << 4) + (lane_col & 3) * 4 + (x & 6) * 16;
@@ -242,15 +244,42 @@ __device__ __forceinline__ void stage_dq(u32 piece, const float (&acc)[kTiles][4
 #pragma unroll
   for (int half = 0; half < 2; ++half)
 #pragma unroll
-    for (int dt = 0; dt < kTiles; ++dt)
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"((base + half * 8 * dq_tiles::kCols * 4) ^ (dt << 5)),
-                   "f"(acc[dt][2 * half]), "f"(acc[dt][2 * half + 1])
-                   : "memory");
+    for (int dt = 0; dt < kTiles; ++dt) {
+      const u32 at = (base + half * 8 * dq_tiles::kCols * 4) ^ (dt << 5);
+      if constexpr (kFixedPoint) {
+        const float unit = half ? unit_row8 : unit_row;
+        asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(at), "r"(__float2int_rn(acc[dt][2 * half] * unit)),
+                     "r"(__float2int_rn(acc[dt][2 * half + 1] * unit))
+                     : "memory");
+      } else {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(acc[dt][2 * half]), "f"(acc[dt][2 * half + 1])
+                     : "memory");
+      }
+    }
+}
+
+// The fixed-point units (bwd_rows.cuh) of q rows `row` and row + 8 of the q tile at q0 of head bh.
+template <class P>
+__device__ __forceinline__ void load_dq_units(float (&unit)[2], const P& p, i64 bh, int q0, int row) {
+  const float* u = p.dq_unit + bh * p.q_len_pad + q0 + row;
+  unit[0] = __ldg(u);
+  unit[1] = __ldg(u + 8);
+}
+
+// A staged q tile's dQ (`bytes` from shared `src`) added to the accumulator at `dst`: fp32, or the
+// fixed-point int32 of the deterministic kernels.
+template <bool kFixedPoint>
+__device__ __forceinline__ void reduce_dq(float* dst, u32 src, u32 bytes) {
+  if constexpr (kFixedPoint) {
+    bulk_reduce_add_s32(dst, src, bytes);
+  } else {
+    bulk_reduce_add_f32(dst, src, bytes);
+  }
 }
 
 // ================================================================ the kernel body
-// kDeterministic: dQ added in the fixed kv tile order (p.dq_semaphore), a kernel of its own so that
-// the atomic one (the default) carries none of the turn-taking code.
+// kDeterministic: dQ added as int32 fixed point (bwd_rows.cuh), a kernel of its own so that the
+// default carries none of the conversion.
 template <class C, class F, bool kDeterministic, class P>
 __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
   using S = Shape<C>;
@@ -274,12 +303,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // Through a shuffle, so that the compiler knows it is warp-uniform (descriptors in uniform registers).
   const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
-  constexpr bool deterministic = kDeterministic;
-  // Deterministic: the last kv tile first, in groups of heads (bwd_common.cuh, deterministic_cta).
-  const bwd::Cta cta = deterministic ? bwd::deterministic_cta(1)
-                                     : bwd::Cta{static_cast<int>(blockIdx.x), 0, static_cast<int>(blockIdx.y),
-                                                static_cast<int>(blockIdx.z)};
-  const int kv_tile = cta.kv_tile, hk = cta.hk, batch = cta.batch;
+  const int kv_tile = blockIdx.x, hk = blockIdx.y, batch = blockIdx.z;
   const int kv0 = kv_tile * kBc;
   const int group = p.kv_group, q_len = p.q_len, kv_len = p.kv_len;
   const int warp_row0 = warp * 16;  // this warp's first kv row within the tile (wgmma: 16 per warp)
@@ -330,10 +354,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   };
   const auto bh_of = [&](int head) -> i64 { return static_cast<i64>(batch) * p.num_heads + head; };
   // Who adds the staged dQ: at D = 128 each warp its own rows as soon as they are staged (no CTA
-  // barrier; 3.5-6 % faster than below, and the bias variants keep their registers), elsewhere and
-  // when deterministic thread 0 the whole q tile after a barrier (at D = 64 the per-warp adds
-  // measured 3.5-4 % slower; NOTES.md §21).
-  constexpr bool kWarpReductions = !deterministic && C::kHeadDim >= 128;
+  // barrier; 3.5-6 % faster than below, and the bias variants keep their registers), elsewhere
+  // thread 0 the whole q tile after a barrier (at D = 64 the per-warp adds measured 3.5-4 % slower;
+  // NOTES.md §21).
+  constexpr bool kWarpReductions = C::kHeadDim >= 128;
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
 #pragma unroll
@@ -345,7 +369,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;  // kv tile offset within its block
   const bool kv_tail = kv0 + kBc > kv_len;
 
-  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, deterministic);
+  QTile cur = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, false);
   if (cur.g < group) load_q_tile(cur, 0);
   while (cur.g < group) {
     // Buffer `buf` has landed for everyone (and, through the proxy fence, for wgmma), and every
@@ -441,7 +465,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
     if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp; the other buffer is free
-    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
+    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, false);
     if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).
@@ -453,12 +477,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 
     // ---- dQ += dS K: staged in the accumulator's tile layout (dq_tiles.cuh) in Q's and dO's buffers,
     // free once every warpgroup's dK and dV have read them, then added with bulk reductions: by
-    // each warp for its rows (kWarpReductions), else by thread 0 for the q tile (in deterministic
-    // mode in the fixed kv tile order) ----
+    // each warp for its rows (kWarpReductions), else by thread 0 for the q tile ----
     {
-      int* sem = nullptr;
-      int turn = 0;
-      if (deterministic) sem = bwd::dq_semaphore<kBr, kBc, 1>(p, batch, head, bh_of(head), kv_block, kv_in_block, cur, 0, turn);
+      float dq_unit[2];  // deterministic: this lane's dQ rows' units, loaded under the dQ products
+      if constexpr (kDeterministic) load_dq_units(dq_unit, p, bh_of(head), q0, m0 + lane / 4);
       u32 a_ds[S::kKvSteps][4];
 #pragma unroll
       for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + kk * 16 * kLdS * 2);
@@ -474,27 +496,25 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         issue_regs_rows<S::kDqN, S::kKvSteps, T>(
             acc_dq, a_ds, wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
         wgmma::commit();
-        if (chunk == 0) {  // every warpgroup's dK and dV wgmma are done with Q and dO (and, when
-                           // deterministic, the kv tiles before this one have added: thread 0 waits)
-          if (deterministic && tid == 0) {
-            while (bwd::load_acquire(sem) != turn) {
-            }
-            fence_proxy_async_global();  // our bulk reductions (async proxy) after the ones acquired
-          }
-          __syncthreads();
-        }
+        if (chunk == 0) __syncthreads();  // every warpgroup's dK and dV wgmma are done with Q and dO
         wgmma::wait<0>();
         wgmma::pin(acc_dq);
         hold(a_ds);
         const int block = col / dq_tiles::kCols;
-        stage_dq(dq_stage_addr(2 * block + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2);
+        if constexpr (kDeterministic) {
+          stage_dq<S::kDqN / 8, true>(dq_stage_addr(2 * block + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2,
+                                      dq_unit[0], dq_unit[1]);
+        } else {
+          stage_dq(dq_stage_addr(2 * block + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2);
+        }
         if constexpr (kWarpReductions) {  // each warp adds its own 16 rows (4 KB, contiguous in both layouts)
           wgmma::fence_proxy_async();  // the staged rows (generic stores) are read by the async proxy
           __syncwarp();
           if (lane == 0) {
-            bulk_reduce_add_f32(p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, block) +
-                                    m0 * dq_tiles::kCols,
-                                dq_stage_addr(2 * block + m0 / 32) + (m0 % 32) * dq_tiles::kCols * 4, 16 * dq_tiles::kCols * 4);
+            reduce_dq<kDeterministic>(
+                p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, block) +
+                    m0 * dq_tiles::kCols,
+                dq_stage_addr(2 * block + m0 / 32) + (m0 % 32) * dq_tiles::kCols * 4, 16 * dq_tiles::kCols * 4);
             bulk_commit();
           }
         }
@@ -507,15 +527,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
           // pieces, dO's the rest, each one contiguous run of the accumulator.
           constexpr int kInQ = S::kQBytes / kPieceBytes;
           float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh_of(head), p.q_len_pad, q0 / kBr, 0);
-          bulk_reduce_add_f32(dst, dq_stage_addr(0), S::kQBytes);
-          bulk_reduce_add_f32(dst + S::kQBytes / 4, dq_stage_addr(kInQ), S::kQBytes);
+          reduce_dq<kDeterministic>(dst, dq_stage_addr(0), S::kQBytes);
+          reduce_dq<kDeterministic>(dst + S::kQBytes / 4, dq_stage_addr(kInQ), S::kQBytes);
           bulk_commit();
-          if (deterministic) {  // complete and visible before the next kv tile's turn
-            bulk_wait<0>();
-            fence_proxy_async_global();
-            __threadfence();
-            bwd::store_release(sem, turn + 1);
-          }
         }
       }
     }

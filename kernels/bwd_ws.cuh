@@ -15,8 +15,8 @@
 //             (NOTES.md §33)
 //     warp 1  dQ writer: per q tile, once the consumers have staged dQ (fp32, the accumulator's
 //             tile layout, kernels/dq_tiles.cuh), adds it to the workspace with bulk reductions
-//             and frees the staging buffer when they have read it; deterministic mode waits for
-//             the q tile's turn here, so the consumers never spin
+//             and frees the staging buffer when they have read it (deterministic: int32 fixed
+//             point, which the consumers convert as they stage it, bwd_rows.cuh)
 //   consumers (warpgroups 1 ..): per q tile
 //     Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ, dV += Pᵀ dO, dSᵀ, dK += dSᵀ Q    (bwd_wgmma.cuh's order)
 //     dSᵀ to one of two shared buffers, one named barrier among the consumers
@@ -32,8 +32,7 @@
 // the loaders walk the q tiles (bwd::next_q_tile, a chain of dependent global loads): thread 0
 // writes each tile's record (QTile) beside its stage, and the end as a record past the last
 // tile; the consumers pass each record on to the writer with the tile's dQ. (Three walks, one
-// per role, had each read the transposed index from L1, which the deterministic writer's
-// completion waits and acquire loads invalidate on every q tile: NOTES.md §33.)
+// per role, had each read the transposed index from L1 on their critical paths: NOTES.md §33.)
 #pragma once
 #include "bwd_wgmma.cuh"
 #include "tma.cuh"
@@ -111,7 +110,7 @@ __device__ __forceinline__ void publish(u32 bar) {
 // two (NOTES.md §31).
 enum : int { kLoadLanes = 64 };
 
-template <class C, bool kDeterministic, class P>
+template <class C, class P>
 __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layout<C>& sm, int batch, int hk, int kv0,
                                           int t) {
   using S = bwd_wgmma::Shape<C>;
@@ -121,7 +120,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
   bool kv_published = false;
   constexpr bool kStagedBits = C::kHasPartial && !C::kFuseMask;
   static_assert(kLoadLanes >= kBr, "a loader thread per q row of bits");
-  QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, kDeterministic);
+  QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, false);
   for (int n = 0;; ++n) {
     const int s = n & 1;
     tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
@@ -156,7 +155,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
     }
     // The next q tile's walk (a chain of dependent global loads) while these copies are in flight:
     // 6-8 % faster than walking after the publish (NOTES.md §31).
-    const QTile next = bwd::next_q_tile<C>(p, batch, hk, kv0, tile.g, tile.slot, tile.tile + 1, kDeterministic);
+    const QTile next = bwd::next_q_tile<C>(p, batch, hk, kv0, tile.g, tile.slot, tile.tile + 1, false);
     if (!kv_published) {
       publish(sm.kv_full());
       kv_published = true;
@@ -167,9 +166,8 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
 }
 
 template <class C, bool kDeterministic, class P>
-__device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int lane) {
+__device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int batch, int hk, int lane) {
   constexpr int kBr = C::kBr, kBlocks = C::kHeadDim / dq_tiles::kCols;
-  const int kv_block = kv0 / p.kv_block_size, kv_in_block = kv0 - kv_block * p.kv_block_size;
   for (int n = 0;; ++n) {
     tma::wait(sm.dq_full(), n & 1);
     // The consumers' record of this q tile, read by lane 0 alone (the lane whose "dQ empty" lets
@@ -181,27 +179,13 @@ __device__ __forceinline__ void dq_warp(const P& p, const Layout<C>& sm, int bat
     if (lane == 0) {
       const int head = hk * p.kv_group + t.g;
       const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
-      int* sem = nullptr;
-      int turn = 0;
-      if (kDeterministic) {
-        sem = bwd::dq_semaphore<kBr, C::kBc, 1>(p, batch, head, bh, kv_block, kv_in_block, t, 0, turn);
-        while (bwd::load_acquire(sem) != turn) {
-        }
-        fence_proxy_async_global();  // our bulk reductions (async proxy) after the ones acquired
-      }
       float* dst = p.dq_accum + dq_tiles::tile_offset<C::kHeadDim>(bh, p.q_len_pad, t.q0 / kBr, 0);
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b)
-        bulk_reduce_add_f32(dst + b * dq_tiles::kFloats, sm.dq + b * dq_tiles::kFloats * 4, dq_tiles::kFloats * 4);
+        bwd_wgmma::reduce_dq<kDeterministic>(dst + b * dq_tiles::kFloats, sm.dq + b * dq_tiles::kFloats * 4,
+                                             dq_tiles::kFloats * 4);
       bulk_commit();
-      if (kDeterministic) {  // complete and visible before the next kv tile's turn
-        bulk_wait<0>();
-        fence_proxy_async_global();
-        __threadfence();
-        bwd::store_release(sem, turn + 1);
-      } else {
-        bulk_wait_read<0>();
-      }
+      bulk_wait_read<0>();
       tma::arrive(sm.dq_empty());
     }
     __syncwarp();
@@ -354,6 +338,10 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     tma::arrive(sm.q_empty(s));  // Q, dO, LSE and delta of stage s are no longer read
 
     // ---- dQ = dS K over every consumer's kv rows, this warpgroup's columns; staged for the writer ----
+    float dq_unit[2];  // deterministic: this lane's dQ rows' units, loaded under the dQ products
+    if constexpr (kDeterministic) {
+      bwd_wgmma::load_dq_units(dq_unit, p, static_cast<i64>(batch) * p.num_heads + head, q0, m0 + lane / 4);
+    }
     u32 a_ds[S::kKvSteps][4];
 #pragma unroll
     for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + ds_off + kk * 16 * kLdS * 2);
@@ -374,7 +362,12 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
       wgmma::pin(acc_dq);
       hold(a_ds);
       const int block = col / dq_tiles::kCols;
-      bwd_wgmma::stage_dq(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4, (lane % 4) * 2);
+      if constexpr (kDeterministic) {
+        bwd_wgmma::stage_dq<S::kDqN / 8, true>(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4,
+                                               (lane % 4) * 2, dq_unit[0], dq_unit[1]);
+      } else {
+        bwd_wgmma::stage_dq(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4, (lane % 4) * 2);
+      }
     }
     wgmma::fence_proxy_async();  // the staged rows (generic stores) are read by the async proxy
     if (ctid == 0) *sm.info(2) = cur;  // for the writer (it read tile n - 1's before "dQ empty")
@@ -401,11 +394,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, const P& maps, unsi
   static_assert(S::kWarpSpecialized, "a producer warpgroup and kBc / 64 consumer warpgroups");
   const Layout<C> sm(smem_raw);
   const int tid = threadIdx.x, warp = tid / 32;
-  // Deterministic: the last kv tile first, in groups of heads (bwd_common.cuh, deterministic_cta).
-  const bwd::Cta cta = kDeterministic ? bwd::deterministic_cta(1)
-                                      : bwd::Cta{static_cast<int>(blockIdx.x), 0, static_cast<int>(blockIdx.y),
-                                                 static_cast<int>(blockIdx.z)};
-  const int kv0 = cta.kv_tile * C::kBc;
+  const int batch = blockIdx.z, hk = blockIdx.y, kv0 = blockIdx.x * C::kBc;
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -422,14 +411,14 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, const P& maps, unsi
   if (warp < 4) {
     tma::release_registers<R::kProducer>();
     if (warp == 0 || warp == 2) {
-      load_warp<C, kDeterministic>(p, maps, sm, cta.batch, cta.hk, kv0, (warp / 2) * 32 + tid % 32);
+      load_warp<C>(p, maps, sm, batch, hk, kv0, (warp / 2) * 32 + tid % 32);
     } else if (warp == 1) {
-      dq_warp<C, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, tid % 32);
+      dq_warp<C, kDeterministic>(p, sm, batch, hk, tid % 32);
     }
     return;
   }
   tma::claim_registers<R::kConsumer>();
-  consume<C, F, kDeterministic>(p, sm, cta.batch, cta.hk, kv0, tid);
+  consume<C, F, kDeterministic>(p, sm, batch, hk, kv0, tid);
 }
 
 }  // namespace bwd_ws

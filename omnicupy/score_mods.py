@@ -36,14 +36,18 @@ class ScoreMod:
     ``cuda_grad`` (a CudaExpr with the same constants and arrays) is the derivative of the new score
     with respect to ``score`` (the modifier's input), which the backward kernel multiplies into dS;
     ``numpy_grad`` is the same for NumPy (the reference backward). Without them the modifier works
-    in the forward pass only."""
+    in the forward pass only. ``grad_at_most_one``: the derivative is known never to exceed 1 in size
+    (the built-ins'), which the deterministic backward's fixed-point dQ relies on (ops/backward.py);
+    other derivatives take the ordered fp32 sum."""
 
     def __init__(self, expr: CudaExpr, numpy_fn: Optional[Callable] = None, name: Optional[str] = None, *,
-                 grad: Optional[CudaExpr] = None, numpy_grad: Optional[Callable] = None) -> None:
+                 grad: Optional[CudaExpr] = None, numpy_grad: Optional[Callable] = None,
+                 grad_at_most_one: bool = False) -> None:
         self.cuda = expr
         self.numpy_fn = numpy_fn
         self.cuda_grad = grad
         self.numpy_grad = numpy_grad
+        self.grad_at_most_one = grad_at_most_one
         self.name = self.__name__ = name or f"cuda_score_{expr.digest}"
 
     def __repr__(self) -> str:
@@ -96,7 +100,8 @@ def alibi(num_heads: int) -> ScoreMod:
     consts = {"ALIBI_HEADS": H}
     expr = CudaExpr.make("score + exp2f(-8.0f * (float)(h + 1) / (float)ALIBI_HEADS) * (float)(kv_idx - q_idx)", consts)
     # An additive term: the derivative is 1 (the backward kernel skips multiplying by it).
-    return ScoreMod(expr, numpy_fn, f"alibi_{H}", grad=CudaExpr.make(UNIT_GRAD, consts), numpy_grad=numpy_grad)
+    return ScoreMod(expr, numpy_fn, f"alibi_{H}", grad=CudaExpr.make(UNIT_GRAD, consts), numpy_grad=numpy_grad,
+                    grad_at_most_one=True)
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -115,7 +120,8 @@ def softcap(cap: float) -> ScoreMod:
     expr = CudaExpr.make("SOFTCAP * omni::tanh_fast(score * SOFTCAP_INV)", consts)
     # d/ds cap * tanh(s / cap) = 1 - tanh^2(s / cap)
     grad = CudaExpr.make("1.0f - omni::tanh_fast(score * SOFTCAP_INV) * omni::tanh_fast(score * SOFTCAP_INV)", consts)
-    return ScoreMod(expr, numpy_fn, f"softcap_{cap:g}", grad=grad, numpy_grad=numpy_grad)
+    return ScoreMod(expr, numpy_fn, f"softcap_{cap:g}", grad=grad, numpy_grad=numpy_grad,
+                    grad_at_most_one=True)  # 1 - tanh^2
 
 
 __all__ = ["ScoreMod", "cuda_score", "alibi", "alibi_slopes", "softcap", "UNIT_GRAD"]

@@ -6,8 +6,9 @@
 
 Each variant gets a mask with exactly its features (plain: full; causal: causal; partial: random
 full/partial blocks with empty rows; both: a random mix) at odd lengths with GQA, so tails, every
-mask path and the group walk run; the partial variants run deterministic=True as well (the dQ turn
-order). Then, per head dim, the feature variants (bias + softcap; softcap alone, which takes the
+mask path and the group walk run; deterministic=True runs as well on the partial mma.sync variants
+(the dQ turn order) and on every wgmma variant (the fixed-point dQ, its K/V bounds kernel and, at
+D = 128, its two dQ writers). Then, per head dim, the feature variants (bias + softcap; softcap alone, which takes the
 warp-specialized kernel at D = 128 on sm_90). Exits 1 if any gradient is wrong.
 CuPy's memory pool is switched off, so that every buffer is its own allocation for memcheck.
 """
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
             bm, dense = mask_with((variant.causal, variant.partial), rng, n)  # resample a degenerate draw
         q, k, v = random_qkv(rng, 1, 4, n, variant.head_dim, variant.dtype, Hkv=2)
         failures += run(variant.name, rng, q, k, v, bm, dense, variant.dtype)
-        if variant.partial:
+        if variant.partial or variant.family == "wgmma":  # wgmma: every deterministic entry (fixed-point dQ)
             failures += run(f"{variant.name} deterministic", rng, q, k, v, bm, dense, variant.dtype, deterministic=True)
     for hd in head_dims:
         q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16", Nkv=n + 5)

@@ -283,12 +283,55 @@ def test_deterministic_main_kernel_gets_the_shared_memory_opt_in(monkeypatch, fa
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(jit, "get_kernel", lambda v: FakeKernel(v.name))
     monkeypatch.setattr(backward, "_modules", {})
-    pre, atomic, ordered, convert = backward._kernels(variant)
+    pre, atomic, ordered, convert, bounds = backward._kernels(variant)
     assert (pre.name, atomic.name, convert.name) == (f"{variant.name}_pre", variant.name, f"{variant.name}_dq")
     if family == "wgmma":
         assert ordered.name == f"{variant.name}_det" and ordered.max_dynamic_shared_size_bytes == variant.smem_bytes
+        assert bounds.name == f"{variant.name}_kvb"
     else:
-        assert ordered is atomic
+        assert ordered is atomic and bounds is None
+
+
+# ---------------------------------------------------------------- deterministic dQ: how it is summed
+@pytest.mark.parametrize("family,deterministic,expected", [
+    ("wgmma", False, "ATOMIC"), ("sync", False, "ATOMIC"), ("wgmma", True, "FIXED"), ("sync", True, "ORDERED")])
+def test_dq_sum_follows_family_and_mode(family, deterministic, expected):
+    from omnicupy.ops.backward import DqSum
+    assert DqSum.of(family, deterministic) is DqSum[expected]
+
+
+@pytest.mark.parametrize("dq_sum", ["ATOMIC", "ORDERED", "FIXED"])
+def test_workspace_parts_follow_the_dq_sum(dq_sum):
+    """Each mode's workspace holds exactly its parts, each 256-byte aligned and disjoint; the zeroed
+    parts are the turn counters (ORDERED) and the K/V bounds (FIXED)."""
+    from omnicupy.ops.backward import POINTER_FIELDS, DqSum, Workspace, WORKSPACE_ALIGN
+    B, H, Hkv, D, pad, tile, passes = 2, 6, 3, 128, 320, 64, 1
+    ws = Workspace.of(B, H, Hkv, D, pad, tile, passes, DqSum[dq_sum])
+    parts = dict(zip(POINTER_FIELDS[POINTER_FIELDS.index("lse_log2"):], ws.sizes))
+    rows = B * H * pad * 4
+    assert parts["lse_log2"] == parts["delta"] == rows and parts["dq_accum"] == rows * D
+    assert parts["dq_semaphore"] == (B * H * (pad // tile) * passes * 4 if dq_sum == "ORDERED" else 0)
+    assert parts["dq_unit"] == (rows if dq_sum == "FIXED" else 0)
+    assert parts["kv_bound"] == (B * Hkv * 2 * 4 if dq_sum == "FIXED" else 0)
+    spans = sorted((off, off + size) for off, size in zip(ws.offsets, ws.sizes) if size)
+    assert all(off % WORKSPACE_ALIGN == 0 for off, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    zeroed = {POINTER_FIELDS[POINTER_FIELDS.index("lse_log2") + i] for i in Workspace.ZEROED}
+    assert zeroed == {"dq_semaphore", "kv_bound"}
+
+
+@pytest.mark.parametrize("score_mod,deterministic,family", [
+    (None, True, "wgmma"), (score_mods.softcap(5.0), True, "wgmma"), (score_mods.alibi(4), True, "wgmma"),
+    (score_mods.cuda_score("score * S", {"S": 2.0}, grad="S"), True, "sync"),
+    (score_mods.cuda_score("score * S", {"S": 2.0}, grad="S"), False, "wgmma")])
+def test_deterministic_fixed_point_needs_a_bounded_score_derivative(score_mod, deterministic, family):
+    """The wgmma kernels' fixed-point dQ bounds each row assuming |d score_mod / d score| <= 1 (the
+    built-ins'); a deterministic call with any other derivative runs the mma.sync kernel's ordered sum."""
+    rng = np.random.default_rng(3)
+    _, q, k, v, _, _ = _inputs(rng, B=1, Hq=4, Hkv=4, Nq=256, Nkv=256, D=128)
+    plan = omnicupy.ops.backward.plan(q, k, v, causal=True, score_mod=score_mod, deterministic=deterministic,
+                                      arch="sm_90")
+    assert plan.variant.family == family
 
 
 @pytest.mark.parametrize("head_dim,rows", [(8, 256), (16, 128), (32, 64), (64, 32), (80, 16), (96, 16), (128, 16),

@@ -125,13 +125,15 @@ def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mas
 
 def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block_mask: BlockMask,
                   bias: Optional[str], mask_expr: Optional[tuple], score_expr: Optional[tuple],
-                  score_grad: Optional[str], arch: Optional[str]) -> Plan:
+                  score_grad: Optional[str], arch: Optional[str], ordered_dq: bool = False) -> Plan:
     """The backward's main kernel: one CTA per (kv tile, column pass) of each (batch, kv head); the
-    row kernels around it (ops/backward.py) need no plan. Column passes split head dims above 128."""
+    row kernels around it (ops/backward.py) need no plan. Column passes split head dims above 128.
+    ``ordered_dq``: a deterministic dQ the wgmma kernels' fixed point cannot bound (mma.sync)."""
     bm = block_mask
     variant = tiles.select_backward_variant(head_dim, dtype, bm.q_block_size, bm.kv_block_size, bm.features.causal,
                                             bm.features.partial, bias=bias, mask_expr=mask_expr,
-                                            score_expr=score_expr, score_grad=score_grad, arch=arch)
+                                            score_expr=score_expr, score_grad=score_grad, arch=arch,
+                                            family="sync" if ordered_dq else None)
     tile_dim = variant.head_dim  # the tile's head dim: padded columns are computed, never stored
     passes = tile_dim // min(tile_dim, 128) if variant.family == "sync" else 1
     if variant.family == "wgmma":
@@ -141,7 +143,8 @@ def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block
                   f"tiles of {variant.br}")
     else:
         wanted = tiles.backward_family(head_dim, arch)
-        why = ("no wgmma backward tile for this head dim, arch and these block sizes (wgmma: sm_90, head_dim 64/128, "
+        why = ("deterministic dQ with a score derivative that may exceed 1 (summed in order)" if ordered_dq else
+               "no wgmma backward tile for this head dim, arch and these block sizes (wgmma: sm_90, head_dim 64/128, "
                "q and kv blocks multiples of 64)" if wanted == "wgmma" else
                "OMNICUPY_BWD=sync" if env.backward_family() == "sync" else "the default (OMNICUPY_BWD=auto)")
         reason = (f"backward mma.sync: kv tiles of {variant.bc} rows walking q tiles of {variant.br} "

@@ -6,17 +6,20 @@ launches three kernels of one compiled module on the current CuPy stream (templa
 on mma.sync; attention_bwd_sm90.cu.jinja on wgmma, sm_90 with OMNICUPY_BWD=wgmma: same entry points):
 
     _pre   delta = rowsum(dO O), LSE -> log2 units, zero the fp32 dQ accumulator
-    main   one CTA per kv tile: dK, dV in registers, dQ by fp32 atomics (ordered if deterministic)
+    main   one CTA per kv tile: dK, dV in registers, dQ by fp32 atomics
     _dq    dq = scale * accumulator in the input dtype
 
-The workspace is O(B * Hq * Nq * D): the fp32 dQ accumulator, two fp32 row vectors and, for
-``deterministic=True``, one int32 turn counter per (batch, head, q tile). Every check runs before any
-launch and raises an ArgumentError (or MaskError) naming the argument.
+``deterministic=True`` changes how dQ is summed (``DqSum``): the wgmma family adds int32 fixed point
+(kernels/bwd_rows.cuh; a ``_kvb`` kernel first bounds K and V for the rows' units), the mma.sync
+family adds fp32 in a fixed kv tile order (one int32 turn counter per (batch, head, q tile)). The
+workspace is O(B * Hq * Nq * D). Every check runs before any launch and raises an ArgumentError (or
+MaskError) naming the argument.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -38,9 +41,11 @@ from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_
 
 @dataclass(frozen=True)
 class BackwardExtras(Extras):
-    """The forward's per-score extras plus the score modifier's derivative (CUDA text)."""
+    """The forward's per-score extras plus the score modifier's derivative (CUDA text) and whether it
+    is known to stay within [-1, 1] (ScoreMod.grad_at_most_one)."""
 
     score_grad: Optional[str] = None
+    score_grad_at_most_one: bool = True
 
 
 def _check_score_grad(score_mod: Any) -> Optional[str]:
@@ -53,6 +58,17 @@ def _check_score_grad(score_mod: Any) -> Optional[str]:
     if (grad.constants, grad.array_decls) != (score_mod.cuda.constants, score_mod.cuda.array_decls):
         raise ArgumentError("score_mod: its derivative must use the same constants and arrays as the expression")
     return grad.text
+
+
+def _extras(inp: Inputs, bm: BlockMask, bias: Any, score_mod: Any, fuse_mask: bool) -> BackwardExtras:
+    """The call's per-score extras, checked (no launch)."""
+    return BackwardExtras(
+        bias=check_bias(bias, inp),
+        score_expr=check_score_mod(score_mod),
+        mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial else None,
+        score_grad=_check_score_grad(score_mod),
+        score_grad_at_most_one=score_mod is None or bool(getattr(score_mod, "grad_at_most_one", False)),
+    )
 
 
 def _check_grad_buffer(x: Any, shape: tuple, dtype: Any, name: str):
@@ -93,11 +109,26 @@ _modules: dict = {}
 _modules_lock = threading.Lock()
 
 
+class DqSum(Enum):
+    """How the main kernel sums dQ over kv tiles."""
+
+    ATOMIC = "atomic"    # fp32 bulk reductions / atomics in arrival order (the default)
+    ORDERED = "ordered"  # deterministic, mma.sync: fp32 adds in a fixed kv tile order (turn counters)
+    FIXED = "fixed"      # deterministic, wgmma: int32 fixed point, the same sum in any order
+
+    @classmethod
+    def of(cls, family: str, deterministic: bool) -> "DqSum":
+        if not deterministic:
+            return cls.ATOMIC
+        return cls.FIXED if family == "wgmma" else cls.ORDERED
+
+
 def _kernels(variant) -> tuple:
-    """(preprocess, main, deterministic main, convert) functions of ``variant``'s module on the
-    current device. The wgmma family has a deterministic main of its own (dQ in the fixed kv tile
-    order), so that the default carries none of its code; the mma.sync kernel reads the mode at run
-    time (``dq_semaphore`` set or not), and is both mains."""
+    """(preprocess, main, deterministic main, convert, K/V bounds or None) functions of ``variant``'s
+    module on the current device. The wgmma family has a deterministic main of its own (dQ in int32
+    fixed point) and the K/V bounds kernel its units need, so that the default carries none of that
+    code; the mma.sync kernel reads the mode at run time (``dq_semaphore`` set or not), and is both
+    mains."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
@@ -108,25 +139,33 @@ def _kernels(variant) -> tuple:
             found = _modules.get(key)
             if found is None:
                 main = jit.get_kernel(variant)  # loaded from the bytes the cache verified
-                ordered = main
+                ordered, bounds = main, None
                 if variant.family == "wgmma":
                     ordered = main.sibling(f"{variant.name}_det")
                     jit.opt_in_shared_memory(ordered, variant.smem_bytes)  # as jit.get_kernel does for main
-                found = (main.sibling(f"{variant.name}_pre"), main, ordered, main.sibling(f"{variant.name}_dq"))
+                    bounds = main.sibling(f"{variant.name}_kvb")
+                found = (main.sibling(f"{variant.name}_pre"), main, ordered, main.sibling(f"{variant.name}_dq"), bounds)
                 _modules[key] = found
     return found
 
 
-def make_plan(inp: Inputs, bm: BlockMask, extras: BackwardExtras, arch: Optional[str]) -> Plan:
+def make_plan(inp: Inputs, bm: BlockMask, extras: BackwardExtras, arch: Optional[str],
+              deterministic: bool = False) -> Plan:
+    """The backward Plan. A deterministic call whose score derivative may exceed 1 in size asks for
+    the mma.sync family: the wgmma kernels' fixed-point dQ bounds its rows assuming it does not."""
     return plan_backward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, kv_heads=inp.kv_heads,
                          block_mask=bm, bias=extras.bias.dtype if extras.bias else None,
                          mask_expr=extras.mask_expr.key if extras.mask_expr else None,
                          score_expr=extras.score_expr.key if extras.score_expr else None,
-                         score_grad=extras.score_grad, arch=arch)
+                         score_grad=extras.score_grad, arch=arch,
+                         ordered_dq=deterministic and not extras.score_grad_at_most_one)
 
 
 #: The backward struct's per-call pointers, in the order Recipe.launch takes them.
-POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "delta", "dq_accum", "dq_semaphore")
+POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "delta", "dq_accum", "dq_semaphore",
+                  "dq_unit", "kv_bound")
+#: Rows of K and V per CTA of the ``_kvb`` kernel (kernels/bwd_rows.cuh kBoundRows).
+BOUND_ROWS = 256
 #: Byte alignment of each workspace part inside the one allocation.
 WORKSPACE_ALIGN = 256
 
@@ -134,20 +173,26 @@ WORKSPACE_ALIGN = 256
 @dataclass(frozen=True)
 class Workspace:
     """The per-call scratch of one backward signature, in one allocation: lse_log2 and delta (fp32
-    ``[B, Hq, q_len_pad]``), the fp32 dQ accumulator of ``q_len_pad`` rows of D per head (D: the
-    tile's head dim, wider than the caller's when padded; rows for the mma.sync kernels, which use
-    the first Nq, 64 x 64 tiles for the wgmma kernels, kernels/dq_tiles.cuh; zeroed by the
-    preprocess kernel) and, for ``deterministic=True``, the int32 turn counters (zeroed here, on the
-    stream)."""
+    ``[B, Hq, q_len_pad]``), the dQ accumulator of ``q_len_pad`` rows of D per head (fp32, or int32
+    for ``DqSum.FIXED``; D: the tile's head dim, wider than the caller's when padded; rows for the
+    mma.sync kernels, which use the first Nq, 64 x 64 tiles for the wgmma kernels,
+    kernels/dq_tiles.cuh; zeroed by the preprocess kernel), and by DqSum: ORDERED the int32 turn
+    counters, FIXED the rows' units (fp32 ``[B, Hq, q_len_pad]``) and the K/V bounds (fp32
+    ``[B, Hkv, 2]``). Turn counters and bounds are zeroed here, on the stream."""
 
-    sizes: tuple[int, int, int, int]  # bytes of lse_log2, delta, dq_accum, dq_semaphore (0: none)
+    sizes: tuple[int, ...]  # bytes of each POINTER_FIELDS workspace part, from lse_log2 on (0: none)
+
+    #: The parts zeroed before the launches: dq_semaphore and kv_bound.
+    ZEROED = (3, 5)
 
     @classmethod
-    def of(cls, batch: int, heads: int, head_dim: int, q_len_pad: int, q_tile: int, passes: int,
-           deterministic: bool) -> "Workspace":
+    def of(cls, batch: int, heads: int, kv_heads: int, head_dim: int, q_len_pad: int, q_tile: int, passes: int,
+           dq_sum: DqSum) -> "Workspace":
         rows = batch * heads * q_len_pad * 4
-        semaphore = batch * heads * (q_len_pad // q_tile) * passes * 4 if deterministic else 0
-        return cls((rows, rows, batch * heads * q_len_pad * head_dim * 4, semaphore))
+        semaphore = batch * heads * (q_len_pad // q_tile) * passes * 4 if dq_sum is DqSum.ORDERED else 0
+        fixed = dq_sum is DqSum.FIXED
+        return cls((rows, rows, batch * heads * q_len_pad * head_dim * 4, semaphore, rows if fixed else 0,
+                    batch * kv_heads * 2 * 4 if fixed else 0))
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -161,8 +206,8 @@ class Workspace:
     def total(self) -> int:
         return self.offsets[-1] + self.sizes[-1]
 
-    def allocate(self, cp) -> tuple[Any, tuple[int, int, int, int]]:
-        """(the allocation, to keep until the launches are queued; its four part pointers, 0 for none).
+    def allocate(self, cp) -> tuple[Any, tuple[int, ...]]:
+        """(the allocation, to keep until the launches are queued; its part pointers, 0 for none).
 
         Outside a CUDA-graph capture the allocation goes back to CuPy's pool when dropped, reusable by
         later work on the same stream only (stream order keeps that safe). During a capture the graph
@@ -172,8 +217,9 @@ class Workspace:
         base = memory.ptr
         pointers = tuple(base + off if size else 0 for off, size in zip(self.offsets, self.sizes))
         stream = cp.cuda.get_current_stream()
-        if self.sizes[3]:
-            cp.cuda.runtime.memsetAsync(pointers[3], 0, self.sizes[3], stream.ptr)
+        for part in self.ZEROED:
+            if self.sizes[part]:
+                cp.cuda.runtime.memsetAsync(pointers[part], 0, self.sizes[part], stream.ptr)
         recall.hold_if_capturing(memory, stream)
         return memory, pointers
 
@@ -182,14 +228,14 @@ class Workspace:
 release_captured = recall.release_captured
 
 
-def _mask_tables(bm: BlockMask, kv_tile: int, deterministic: bool, cp) -> tuple:
-    """(transposed index, forward metadata, dQ ranks or None) of ``bm`` on this device, cached on the
+def _mask_tables(bm: BlockMask, kv_tile: int, ordered: bool, cp) -> tuple:
+    """(transposed index, forward metadata, dQ ranks if ``ordered`` else None) of ``bm`` on this device, cached on the
     mask. They are built by CuPy kernels; while the current stream is being captured into a CUDA
     graph those would only be recorded (run at replay, not now), so a first build then runs on a
     side stream that is waited for: the tables exist before the capture ends. The side stream is
     a blocking one, ordered after work on the legacy default stream (a mask built there just before)."""
     def build():
-        return backward_index(bm), bm.device_metadata(), dq_ranks(bm, kv_tile) if deterministic else None
+        return backward_index(bm), bm.device_metadata(), dq_ranks(bm, kv_tile) if ordered else None
 
     if not cp.cuda.get_current_stream().is_capturing():
         return build()
@@ -215,20 +261,21 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
             extras: BackwardExtras, deterministic: bool) -> recall.Recipe:
     cp = arrays.cupy_module()
     try:
-        pre, atomic, ordered, convert = _kernels(plan.variant)
+        pre, atomic, deterministic_main, convert, bounds = _kernels(plan.variant)
     except CompileError as exc:
         exprs = [e.text for e in (extras.mask_expr, extras.score_expr) if e is not None]
         if not exprs:
             raise
         raise CompileError(f"the CUDA expression(s) {exprs} (or the score derivative {extras.score_grad!r}) "
                            f"did not compile:\n{exc}") from None
-    main = ordered if deterministic else atomic
+    main = deterministic_main if deterministic else atomic
     variant = plan.variant
+    dq_sum = DqSum.of(variant.family, deterministic)
     B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
-    workspace = Workspace.of(B, Hq, variant.head_dim, q_len_pad, variant.br, passes, deterministic)
-    index, meta, ranks = _mask_tables(bm, variant.bc, deterministic, cp)
+    workspace = Workspace.of(B, Hq, inp.kv_heads, variant.head_dim, q_len_pad, variant.br, passes, dq_sum)
+    index, meta, ranks = _mask_tables(bm, variant.bc, dq_sum is DqSum.ORDERED, cp)
     user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
         "q": inp.q, "k": inp.k, "v": inp.v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
@@ -236,6 +283,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         **_element_strides(out, "o"), **_element_strides(dout, "do"), **_element_strides(dq, "dq"),
         **_element_strides(dk, "dk"), **_element_strides(dv, "dv"),
         "lse_log2": None, "delta": None, "dq_accum": None, "dq_semaphore": None,  # per call (Workspace)
+        "dq_unit": None, "kv_bound": None,
         "q_len_pad": q_len_pad, "num_heads": Hq, "q_len": Nq, "kv_len": inp.kv_len,
         "kv_group": Hq // inp.kv_heads, "scale": scale,
         # As in the forward: raw scores with the scale folded into exp2, unless the kernel
@@ -255,7 +303,9 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     if maps is not None:
         fields.update(maps.fields(inp.q.data.ptr, dout.data.ptr))
     row_block, rows = (32 * BWD_ROW_WARPS, 1, 1), variant.row_kernel_rows  # both from dispatch/variant.py
-    launches = [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
+    launches = [KernelLaunch(bounds, (cdiv(inp.kv_len, BOUND_ROWS), inp.kv_heads, B), row_block)] \
+        if dq_sum is DqSum.FIXED else []
+    launches += [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
                 KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
                 KernelLaunch(convert, (cdiv(Nq, rows), Hq, B), row_block)]
     recipe = recall.Recipe.make(main, plan, fields, BACKWARD, maps, pointer_fields=POINTER_FIELDS, launches=launches,
@@ -353,8 +403,10 @@ def attention_backward(
     carry theirs; ``cuda_score(..., grad="...")`` for your own), else an ArgumentError is raised.
 
     dQ is accumulated in fp32 by atomic adds, whose order varies run to run in the last bits;
-    ``deterministic=True`` adds the kv tiles' contributions to each q tile in a fixed order, which
-    gives bitwise-identical results run to run. ``dq``/``dk``/``dv`` buffers are written in place.
+    ``deterministic=True`` gives bitwise-identical results run to run: on Hopper's wgmma kernels dQ
+    is summed as 32-bit fixed point scaled per row from bounds of dO, K and V (integer sums do not
+    depend on their order; accuracy comparable to the fp32 sum), elsewhere, and with a ``score_mod``
+    whose derivative may exceed 1 in size, by fp32 adds in a fixed order (slower). ``dq``/``dk``/``dv`` buffers are written in place.
     With ``fuse_mask=True`` PARTIAL blocks evaluate the mask's CUDA expression instead of its bits.
     NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
     """
@@ -370,12 +422,7 @@ def attention_backward(
     host_result = arrays.is_numpy(q)
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
-    extras = BackwardExtras(
-        bias=check_bias(bias, inp),
-        score_expr=check_score_mod(score_mod),
-        mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial else None,
-        score_grad=_check_score_grad(score_mod),
-    )
+    extras = _extras(inp, bm, bias, score_mod, fuse_mask)
     expressions.merge_names(extras.mask_expr, extras.score_expr)
     dout = check_out(dout, inp, "dout")
     out = check_out(out, inp, "out")
@@ -395,7 +442,7 @@ def attention_backward(
     lse_d = arrays.to_cupy(lse, "lse")
     check_device(lse_d, "lse")
     lse_d = cp.ascontiguousarray(lse_d)
-    plan = make_plan(inp, bm, extras, current_arch())
+    plan = make_plan(inp, bm, extras, current_arch(), bool(deterministic))
     buffers = {name: _device_grad(user[name], q_shape if name == "dq" else kv_shape, inp.q.dtype) for name in user}
     recipe = _launch(inp, dout_d, out_d, lse_d, buffers["dq"][0], buffers["dk"][0], buffers["dv"][0], bm, scale, plan,
                      extras, bool(deterministic))
@@ -419,18 +466,17 @@ def attention_backward(
 
 
 def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False, bias: Any = None,
-         score_mod: Any = None, fuse_mask: bool = False, arch: Optional[str] = None) -> Plan:
+         score_mod: Any = None, fuse_mask: bool = False, deterministic: bool = False,
+         arch: Optional[str] = None) -> Plan:
     """Which backward kernel ``attention_backward()`` with these arguments would run (q/k/v may be
     NumPy arrays; only shapes and dtypes are read). ``arch`` defaults to the current device's."""
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
-    extras = BackwardExtras(bias=check_bias(bias, inp), score_expr=check_score_mod(score_mod),
-                            mask_expr=expressions.fused_mask_expr(bm.mask_mod) if fuse_mask and bm.features.partial
-                            else None, score_grad=_check_score_grad(score_mod))
+    extras = _extras(inp, bm, bias, score_mod, fuse_mask)
     if arch is None:
         require_gpu()
         arch = current_arch()
-    return make_plan(inp, bm, extras, arch)
+    return make_plan(inp, bm, extras, arch, bool(deterministic))
 
 
-__all__ = ["Workspace", "attention_backward", "plan", "release_captured"]
+__all__ = ["DqSum", "Workspace", "attention_backward", "plan", "release_captured"]
