@@ -89,7 +89,8 @@ struct Smem {
   static constexpr int kBytes = wgmma::kAtomBytes + 2 * S::kKvBytes + 2 * C::kStages * S::kQBytes +
                                 (S::kWarpSpecialized ? 2 : 1) * C::kBc * S::kLdS * 2 + 2 * C::kStages * C::kBr * 4 +
                                 C::kStages * C::kBr * S::kBitsRowBytes +
-                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + kWsBarriers * 8 : 0);
+                                (S::kWarpSpecialized ? C::kBr * C::kHeadDim * 4 + kWsBarriers * 8 : 0) +
+                                C::kStages * C::kBr * 4;  // last: the fixed-point units of the q rows (deterministic)
 };
 
 // ---------------------------------------------------------------- a PARTIAL tile's bits
@@ -258,12 +259,16 @@ __device__ __forceinline__ void stage_dq(u32 piece, const float (&acc)[kTiles][4
     }
 }
 
-// The fixed-point units (bwd_rows.cuh) of q rows `row` and row + 8 of the q tile at q0 of head bh.
-template <class P>
-__device__ __forceinline__ void load_dq_units(float (&unit)[2], const P& p, i64 bh, int q0, int row) {
-  const float* u = p.dq_unit + bh * p.q_len_pad + q0 + row;
-  unit[0] = __ldg(u);
-  unit[1] = __ldg(u + 8);
+// The fixed-point units (bwd_rows.cuh) of the kBr rows of the q tile at q0 into shared `dst`, by
+// threads 0 <= t < kBr / 4 (callers pass their thread index less an offset), with the tile's LSE
+// and delta: read from global memory where dQ is staged, their latency cost the deterministic
+// kernel 6-10 % (NOTES.md §38).
+template <int kBr, class P>
+__device__ __forceinline__ void load_dq_units_async(float* dst, const P& p, int batch, int head, int q0, int t) {
+  if (0 <= t && t < kBr / 4) {
+    const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + q0;
+    cp_async_16(smem_u32(dst + t * 4), p.dq_unit + row + t * 4, true);
+  }
 }
 
 // A staged q tile's dQ (`bytes` from shared `src`) added to the accumulator at `dst`: fp32, or the
@@ -297,6 +302,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   float* sLse = reinterpret_cast<float*>(sdS + kBc * kLdS);  // [kStages][kBr] LSE, log2 units
   float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
   const u32 sBits = smem_u32(sDelta + C::kStages * kBr);       // [kStages][kBr] a PARTIAL tile's bits
+  float* sUnit = reinterpret_cast<float*>(smem_raw + (sBits + C::kStages * kBr * S::kBitsRowBytes - smem_raw_addr));
   // Tiles whose PARTIAL bits are staged with Q (not fused masks: those are evaluated per score).
   constexpr bool kStagedBits = C::kHasPartial && !C::kFuseMask;
 
@@ -321,6 +327,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
                                                   p.do_sn, t.q0, q_len, threadIdx.x);
     bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);  // threads 0 .. kBr / 2 - 1
+    if constexpr (kDeterministic) load_dq_units_async<kBr>(sUnit + buf * kBr, p, batch, head, t.q0, tid - kBr / 2);
     if (kStagedBits && t.type == kPartial && tid >= S::kThreads - kBr)  // the last kBr threads: a q row each
       load_bits_async<C>(sBits + (buf * kBr + tid - (S::kThreads - kBr)) * S::kBitsRowBytes, p, t,
                          bwd::partial_index(p, batch, head, kv0, t), kv0, tid - (S::kThreads - kBr));
@@ -479,8 +486,6 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // free once every warpgroup's dK and dV have read them, then added with bulk reductions: by
     // each warp for its rows (kWarpReductions), else by thread 0 for the q tile ----
     {
-      float dq_unit[2];  // deterministic: this lane's dQ rows' units, loaded under the dQ products
-      if constexpr (kDeterministic) load_dq_units(dq_unit, p, bh_of(head), q0, m0 + lane / 4);
       u32 a_ds[S::kKvSteps][4];
 #pragma unroll
       for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + kk * 16 * kLdS * 2);
@@ -502,8 +507,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         hold(a_ds);
         const int block = col / dq_tiles::kCols;
         if constexpr (kDeterministic) {
+          const float* unit = sUnit + buf * kBr + m0 + lane / 4;  // this lane's dQ rows'
           stage_dq<S::kDqN / 8, true>(dq_stage_addr(2 * block + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2,
-                                      dq_unit[0], dq_unit[1]);
+                                      unit[0], unit[8]);
         } else {
           stage_dq(dq_stage_addr(2 * block + m0 / 32), acc_dq, m0 % 32 + lane / 4, (lane % 4) * 2);
         }

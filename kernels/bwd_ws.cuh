@@ -91,6 +91,8 @@ struct Layout {
   // q-tile records (32 bytes each after the 8 mbarriers): [stage] the loader's, read by the
   // consumers after "full"; [2] the consumers', read by the writer after "dQ full"
   __device__ __forceinline__ QTile* info(int i) const { return reinterpret_cast<QTile*>(info_ptr + 32 * i); }
+  // [2][kBr] the fixed-point units of a stage's q rows (deterministic), after the three records
+  __device__ __forceinline__ float* unit(int s) const { return reinterpret_cast<float*>(info_ptr + 96) + s * C::kBr; }
   unsigned char* info_ptr;
 };
 
@@ -110,7 +112,7 @@ __device__ __forceinline__ void publish(u32 bar) {
 // two (NOTES.md §31).
 enum : int { kLoadLanes = 64 };
 
-template <class C, class P>
+template <class C, bool kDeterministic, class P>
 __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layout<C>& sm, int batch, int hk, int kv0,
                                           int t) {
   using S = bwd_wgmma::Shape<C>;
@@ -149,6 +151,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
                                                               p.q_len, t);
     }
     bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
+    if constexpr (kDeterministic) bwd_wgmma::load_dq_units_async<kBr>(sm.unit(s), p, batch, head, tile.q0, t - kBr / 2);
     if (kStagedBits && tile.type == kPartial && t < kBr) {  // its bits, a thread per q row (bwd_wgmma.cuh)
       const int pidx = bwd::partial_index(p, batch, head, kv0, tile);
       bwd_wgmma::load_bits_async<C>(sm.bits + (s * kBr + t) * S::kBitsRowBytes, p, tile, pidx, kv0, t);
@@ -335,13 +338,14 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     hold(ds_t[0]);
     wgmma::pin(acc_dk);
     wgmma::pin(acc_dv);
-    tma::arrive(sm.q_empty(s));  // Q, dO, LSE and delta of stage s are no longer read
+    float dq_unit[2];  // deterministic: this lane's dQ rows' units, read before the stage goes back
+    if constexpr (kDeterministic) {
+      dq_unit[0] = sm.unit(s)[m0 + lane / 4];
+      dq_unit[1] = sm.unit(s)[m0 + lane / 4 + 8];
+    }
+    tma::arrive(sm.q_empty(s));  // Q, dO, LSE, delta (and units) of stage s are no longer read
 
     // ---- dQ = dS K over every consumer's kv rows, this warpgroup's columns; staged for the writer ----
-    float dq_unit[2];  // deterministic: this lane's dQ rows' units, loaded under the dQ products
-    if constexpr (kDeterministic) {
-      bwd_wgmma::load_dq_units(dq_unit, p, static_cast<i64>(batch) * p.num_heads + head, q0, m0 + lane / 4);
-    }
     u32 a_ds[S::kKvSteps][4];
 #pragma unroll
     for (int kk = 0; kk < S::kKvSteps; ++kk) ldmatrix_x4_trans(a_ds[kk], ds_a + ds_off + kk * 16 * kLdS * 2);
@@ -411,7 +415,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, const P& maps, unsi
   if (warp < 4) {
     tma::release_registers<R::kProducer>();
     if (warp == 0 || warp == 2) {
-      load_warp<C>(p, maps, sm, batch, hk, kv0, (warp / 2) * 32 + tid % 32);
+      load_warp<C, kDeterministic>(p, maps, sm, batch, hk, kv0, (warp / 2) * 32 + tid % 32);
     } else if (warp == 1) {
       dq_warp<C, kDeterministic>(p, sm, batch, hk, tid % 32);
     }

@@ -332,7 +332,8 @@ class Variant:
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
         Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows);
         backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack and per
-        stage a PARTIAL q tile's bits over the kv tile (bc / 8 bytes per q row)."""
+        stage a PARTIAL q tile's bits over the kv tile (bc / 8 bytes per q row) and its rows'
+        fixed-point units (fp32, read by the deterministic entry only)."""
         if self.family == "tma":
             return self._tma_tiles_bytes + (self._tma_staging_bytes if self.persistent else 0)
         if self.operation == "backward" and self.family == "wgmma":
@@ -342,7 +343,8 @@ class Variant:
             return (SWIZZLE_ATOM_BYTES + (2 * self.bc + 2 * self.stages * self.br) * self.head_dim * 2
                     + (2 if ws else 1) * self.bc * (self.br + SMEM_PAD_ELEMS) * 2 + 2 * self.stages * self.br * 4
                     + self.stages * self.br * self.bc // 8  # a PARTIAL q tile's bits per stage
-                    + (self.br * self.head_dim * 4 + WS_BWD_BARRIER_BYTES if ws else 0))
+                    + (self.br * self.head_dim * 4 + WS_BWD_BARRIER_BYTES if ws else 0)
+                    + self.stages * self.br * 4)  # the q rows' fixed-point units (deterministic=True)
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2
