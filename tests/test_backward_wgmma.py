@@ -76,10 +76,11 @@ def test_plan_says_which_family_and_why(monkeypatch):
 # (head_dim, q_block, kv_block) -> warp-specialized (kernels/bwd_ws.cuh) or plain (bwd_wgmma.cuh),
 # threads, shared memory (kernels/bwd_wgmma.cuh Smem; each template static_asserts the same number)
 WARP_SPECIALIZED = [
-    pytest.param(128, 128, 128, True, 384, 204960, id="hd128-ws"),  # incl. three 32-byte q-tile records
-    pytest.param(128, 256, 512, True, 384, 204960, id="hd128-large-blocks-ws"),
-    pytest.param(128, 64, 64, False, 128, 110592, id="hd128-kv64-plain"),
-    pytest.param(64, 128, 128, False, 128, 61440, id="hd64-plain"),
+    # incl. three 32-byte q-tile records; every wgmma tile also 2 stages x 64 rows x 4 bytes of fixed-point units
+    pytest.param(128, 128, 128, True, 384, 204960 + 512, id="hd128-ws"),
+    pytest.param(128, 256, 512, True, 384, 204960 + 512, id="hd128-large-blocks-ws"),
+    pytest.param(128, 64, 64, False, 128, 110592 + 512, id="hd128-kv64-plain"),
+    pytest.param(64, 128, 128, False, 128, 61440 + 512, id="hd64-plain"),
 ]
 
 
