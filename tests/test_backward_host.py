@@ -315,7 +315,7 @@ def test_workspace_parts_follow_the_dq_sum(dq_sum):
     assert parts["kv_bound"] == (B * Hkv * 2 * 4 if dq_sum == "FIXED" else 0)
     spans = sorted((off, off + size) for off, size in zip(ws.offsets, ws.sizes) if size)
     assert all(off % WORKSPACE_ALIGN == 0 for off, _ in spans)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])) and ws.total >= spans[-1][1]
     zeroed = {POINTER_FIELDS[POINTER_FIELDS.index("lse_log2") + i] for i in Workspace.ZEROED}
     assert zeroed == {"dq_semaphore", "kv_bound"}
 

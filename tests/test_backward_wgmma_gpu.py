@@ -91,17 +91,22 @@ def test_ws_loads_q_and_dout_by_tma_where_it_can(monkeypatch, layout, by_tma):
 
 
 # ---------------------------------------------------------------- deterministic: int32 fixed-point dQ
-def _both_modes(seed, q, k, v, dout, bm, causal, score_mod=None):
+def _both_modes(seed, q, k, v, dout, bm, causal, score_mod=None, bias=None):
     """(atomic, deterministic) gradients as float64 NumPy, from the same device inputs."""
     qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
-    out, lse = omnicupy.attention(qd, kd, vd, bm, causal=causal, return_lse=True, score_mod=score_mod)
+    bias_d = None if bias is None else cp.asarray(bias)
+    out, lse = omnicupy.attention(qd, kd, vd, bm, causal=causal, return_lse=True, score_mod=score_mod, bias=bias_d)
     return [tuple(g.get().astype(np.float64) for g in omnicupy.attention_backward(
-        dod, qd, kd, vd, out, lse, bm, causal=causal, score_mod=score_mod, deterministic=det)) for det in (False, True)]
+        dod, qd, kd, vd, out, lse, bm, causal=causal, score_mod=score_mod, bias=bias_d, deterministic=det))
+        for det in (False, True)]
 
 
-@pytest.mark.parametrize("head_dim,dtype,mask_kind,gqa", [(64, "fp16", "causal", 2), (128, "bf16", "mixed", 1),
-                                                          (128, "fp16", "full", 4), (64, "bf16", "mixed", 1)])
-def test_fixed_point_dq_keeps_every_row_accurate(head_dim, dtype, mask_kind, gqa):
+@pytest.mark.parametrize("head_dim,dtype,mask_kind,gqa,extras", [
+    (64, "fp16", "causal", 2, False), (128, "bf16", "mixed", 1, False), (128, "fp16", "full", 4, False),
+    (64, "bf16", "mixed", 1, False),
+    (128, "fp16", "causal", 2, True),  # bias + soft-cap: the plain kernel at D = 128 (per-warp reductions)
+])
+def test_fixed_point_dq_keeps_every_row_accurate(head_dim, dtype, mask_kind, gqa, extras):
     """Rows of dO scaled by 2^-12 .. 2^12 (one unit per row must follow each row's size): every dq row
     of the deterministic kernel is as close to float64 as the fp32 sum's; dK and dV are the atomic
     kernel's bit for bit (the same walk; only dQ's sum differs)."""
@@ -113,10 +118,12 @@ def test_fixed_point_dq_keeps_every_row_accurate(head_dim, dtype, mask_kind, gqa
     bm, causal, dense = mask_for(mask_kind, rng, B, Hq, n, n)
     row_scale = np.exp2(rng.integers(-12, 13, size=(B, Hq, n, 1))).astype(np.float32)
     dout = (rng.standard_normal(q.shape) * row_scale).astype(q.dtype)
-    (dq_a, dk_a, dv_a), (dq_d, dk_d, dv_d) = _both_modes(seed, q, k, v, dout, bm, causal)
+    bias = (rng.standard_normal((B, 1, n, n)) * 2).astype(np.float32) if extras else None
+    score_mod = omnicupy.score_mods.softcap(4.0) if extras else None
+    (dq_a, dk_a, dv_a), (dq_d, dk_d, dv_d) = _both_modes(seed, q, k, v, dout, bm, causal, score_mod, bias)
     np.testing.assert_array_equal(dk_d, dk_a, err_msg=f"dk (seed {seed})")
     np.testing.assert_array_equal(dv_d, dv_a, err_msg=f"dv (seed {seed})")
-    want = omnicupy.reference.attention_backward(dout, q, k, v, dense)[0]
+    want = omnicupy.reference.attention_backward(dout, q, k, v, dense, bias=bias, score_mod=score_mod)[0]
     norm = np.maximum(np.linalg.norm(want, axis=-1), 1e-30)
     err_a = np.linalg.norm(dq_a - want, axis=-1) / norm
     err_d = np.linalg.norm(dq_d - want, axis=-1) / norm

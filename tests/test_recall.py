@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from omnicupy.ops import recall
-from omnicupy.ops.backward import WORKSPACE_ALIGN, Workspace
 
 F16 = np.dtype(np.float16)
 
@@ -31,19 +30,6 @@ def _view(ptr, shape, dtype=F16, strides=None):
 ])
 def test_overlaps(out, others, expected):
     assert recall.overlaps(out, others) is expected
-
-
-@pytest.mark.parametrize("deterministic", [pytest.param(False, id="atomic"), pytest.param(True, id="deterministic")])
-def test_workspace_parts_are_aligned_and_disjoint(deterministic):
-    B, H, N, D, br, passes = 2, 3, 777, 128, 64, 2
-    pad = -(-N // br) * br
-    ws = Workspace.of(B, H, D, pad, br, passes, deterministic)
-    assert ws.sizes == (B * H * pad * 4, B * H * pad * 4, B * H * pad * D * 4,
-                        B * H * (pad // br) * passes * 4 if deterministic else 0)
-    spans = [(off, off + size) for off, size in zip(ws.offsets, ws.sizes) if size]
-    assert all(off % WORKSPACE_ALIGN == 0 for off in ws.offsets)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    assert ws.total >= spans[-1][1]
 
 
 @pytest.mark.parametrize("block_mask, causal, q_len, kv_len, expected", [
