@@ -1,5 +1,5 @@
 """Steady-state bookkeeping that needs no GPU: the output-overlap test of ops/recall.py and the
-backward's one-allocation workspace layout (ops/backward.py)."""
+mask a cached call keeps its recipe on (the backward's workspace layout: test_backward_host.py)."""
 from __future__ import annotations
 
 import numpy as np
