@@ -67,7 +67,7 @@ __device__ __forceinline__ float dot8(const Vec16& a, const Vec16& b) {
 // NaN-propagating max of non-negative values (fmaxf drops a NaN; the bound must keep it).
 __device__ __forceinline__ float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// Largest |x| over the eight 16-bit values of a chunk, and their sum of squares.
+// Largest |x| over the eight 16-bit values of a chunk.
 template <typename T>
 __device__ __forceinline__ float abs_max8(const Vec16& a) {
   const u32 w[4] = {a.x, a.y, a.z, a.w};
