@@ -229,8 +229,8 @@ release_captured = recall.release_captured
 
 
 def _mask_tables(bm: BlockMask, kv_tile: int, ordered: bool, cp) -> tuple:
-    """(transposed index, forward metadata, dQ ranks if ``ordered`` else None) of ``bm`` on this device, cached on the
-    mask. They are built by CuPy kernels; while the current stream is being captured into a CUDA
+    """(transposed index, forward metadata, dQ ranks if ``ordered`` else None) of ``bm`` on this
+    device, cached on the mask. They are built by CuPy kernels; while the current stream is being captured into a CUDA
     graph those would only be recorded (run at replay, not now), so a first build then runs on a
     side stream that is waited for: the tables exist before the capture ends. The side stream is
     a blocking one, ordered after work on the legacy default stream (a mask built there just before)."""
@@ -406,8 +406,8 @@ def attention_backward(
     ``deterministic=True`` gives bitwise-identical results run to run: on Hopper's wgmma kernels dQ
     is summed as 32-bit fixed point scaled per row from bounds of dO, K and V (integer sums do not
     depend on their order; accuracy comparable to the fp32 sum), elsewhere, and with a ``score_mod``
-    whose derivative may exceed 1 in size, by fp32 adds in a fixed order (slower). ``dq``/``dk``/``dv`` buffers are written in place.
-    With ``fuse_mask=True`` PARTIAL blocks evaluate the mask's CUDA expression instead of its bits.
+    whose derivative may exceed 1 in size, by fp32 adds in a fixed order (slower).
+    ``dq``/``dk``/``dv`` buffers are written in place. With ``fuse_mask=True`` PARTIAL blocks evaluate the mask's CUDA expression instead of its bits.
     NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
     """
     key = None
