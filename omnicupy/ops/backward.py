@@ -407,8 +407,8 @@ def attention_backward(
     is summed as 32-bit fixed point scaled per row from bounds of dO, K and V (integer sums do not
     depend on their order; accuracy comparable to the fp32 sum), elsewhere, and with a ``score_mod``
     whose derivative may exceed 1 in size, by fp32 adds in a fixed order (slower).
-    ``dq``/``dk``/``dv`` buffers are written in place. With ``fuse_mask=True`` PARTIAL blocks evaluate the mask's CUDA expression instead of its bits.
-    NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
+    ``dq``/``dk``/``dv`` buffers are written in place. With ``fuse_mask=True`` PARTIAL blocks evaluate
+    the mask's CUDA expression instead of its bits. NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
     """
     key = None
     cp = arrays.cupy_module()
