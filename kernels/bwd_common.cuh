@@ -5,7 +5,7 @@
 // columns q positions). So the code that does not touch an MMA lives here, once:
 //
 //   the q-tile walk          QTile, next_q_tile (the transposed block index)
-//   per-q-tile loads         load_row_stats_async (LSE and delta rows into shared memory)
+//   per-q-tile loads         load_row_stats_async (LSE, delta and fixed-point unit rows into shared memory)
 //   Pᵀ from Sᵀ               ScoreTile, score_tile (or score_tile_staged: PARTIAL bits in
 //                            shared memory, partial_index their pool block), plain_probs,
 //                            masked_probs (scale, score modifier and its derivative, causal /
@@ -88,18 +88,23 @@ __device__ __forceinline__ int partial_index(const P& p, int batch, int head, in
 // ---------------------------------------------------------------- LSE and delta of one q tile
 // The kBr LSE (log2 units) and delta values of q rows q0.. into buffer `buf` of sLse / sDelta
 // (shared, [stages][kBr] each), one 16-byte cp.async per thread: threads 0 .. kBr/4 - 1 copy the
-// LSE, the next kBr/4 delta (the kernels' Shape asserts kThreads >= kBr / 2). The row vectors are
-// padded to whole q tiles (q_len_pad): no bounds to check. The caller commits the group. (buf, not
-// the buffer's address: the offset is taken inside each branch, as in the kernels' inline code.)
-template <int kBr, class P>
+// LSE, the next kBr/4 delta (the kernels' Shape asserts kThreads >= kBr / 2), and with kUnits the
+// next kBr/4 the rows' fixed-point dQ units into sUnit (the wgmma kernels' deterministic mode,
+// bwd_rows.cuh; kThreads >= 3 kBr / 4). The row vectors are padded to whole q tiles (q_len_pad): no
+// bounds to check. The caller commits the group. (buf, not the buffer's address: the offset is
+// taken inside each branch, as in the kernels' inline code.)
+template <int kBr, bool kUnits = false, class P>
 __device__ __forceinline__ void load_row_stats_async(float* sLse, float* sDelta, int buf, const P& p, int batch,
-                                                     int head, int q0, int tid) {
+                                                     int head, int q0, int tid, float* sUnit = nullptr) {
   const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + q0;
   if (tid < kBr / 4) {
     cp_async_16(smem_u32(sLse + buf * kBr + tid * 4), p.lse_log2 + row + tid * 4, true);
   } else if (tid < kBr / 2) {
     const int c = tid - kBr / 4;
     cp_async_16(smem_u32(sDelta + buf * kBr + c * 4), p.delta + row + c * 4, true);
+  } else if (kUnits && tid < 3 * kBr / 4) {
+    const int c = tid - kBr / 2;
+    cp_async_16(smem_u32(sUnit + buf * kBr + c * 4), p.dq_unit + row + c * 4, true);
   }
 }
 

@@ -95,6 +95,12 @@ __device__ __forceinline__ float dq_unit_inverse(float unit) {
 // Rows of K and V one CTA of kv_bounds reads (a multiple of every RowShape's kRowsPerCta).
 constexpr int kBoundRows = 256;
 
+// (max |K|, max |V_j|^2) of (batch, kv head hk) in p.kv_bound.
+template <typename P>
+__device__ __forceinline__ float* kv_bound_of(const P& p, int batch, int hk) {
+  return p.kv_bound + 2 * (static_cast<i64>(batch) * (p.num_heads / p.kv_group) + hk);
+}
+
 // grid (cdiv(kv_len, kBoundRows), Hkv, B). p.kv_bound[b, hk] = (max |K|, max |V_j|^2) over the
 // kv_len rows, by atomicMax on the floats' bits (non-negative floats order as their bits, and a
 // NaN above every number); the host zeroes it first.
@@ -134,8 +140,7 @@ __device__ __forceinline__ void kv_bounds(const P& p) {
     float m = 0.f;
 #pragma unroll
     for (int w = 0; w < kRowWarps; ++w) m = max_keep_nan(m, warp_max[threadIdx.x][w]);
-    const i64 bhk = static_cast<i64>(batch) * (p.num_heads / p.kv_group) + hk;
-    atomicMax(reinterpret_cast<unsigned*>(p.kv_bound) + 2 * bhk + threadIdx.x, __float_as_uint(m));
+    atomicMax(reinterpret_cast<unsigned*>(kv_bound_of(p, batch, hk)) + threadIdx.x, __float_as_uint(m));
   }
 }
 
@@ -172,8 +177,8 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
     p.lse_log2[bh * p.q_len_pad + row] = lse == neg_inf() ? pos_inf() : lse * kLog2e;
     p.delta[bh * p.q_len_pad + row] = real ? dot : 0.f;
     if (fixed_point) {
-      const i64 bhk = static_cast<i64>(batch) * (p.num_heads / p.kv_group) + head / p.kv_group;
-      const float k_max = p.kv_bound[2 * bhk], v_max = sqrtf(p.kv_bound[2 * bhk + 1]);
+      const float* kv = kv_bound_of(p, batch, head / p.kv_group);
+      const float k_max = kv[0], v_max = sqrtf(kv[1]);
       const float bound = (sqrtf(do_sq) * v_max + fabsf(dot)) * k_max;
       p.dq_unit[bh * p.q_len_pad + row] = dq_unit_for(real ? bound : 0.f);
     }
@@ -215,9 +220,9 @@ __device__ __forceinline__ void convert_dq(const P& p) {
   float s = p.scale;
   if (p.dq_unit != nullptr) {  // fixed point (above): the int32 sums, scaled by 1 / unit
     s *= dq_unit_inverse(p.dq_unit[bh * p.q_len_pad + row]);
-    const auto real = [](u32 w) { return __float_as_uint(static_cast<float>(static_cast<int>(w))); };
-    a = Vec16{real(a.x), real(a.y), real(a.z), real(a.w)};
-    b = Vec16{real(b.x), real(b.y), real(b.z), real(b.w)};
+    const auto int_to_float = [](u32 w) { return __float_as_uint(static_cast<float>(static_cast<int>(w))); };
+    a = Vec16{int_to_float(a.x), int_to_float(a.y), int_to_float(a.z), int_to_float(a.w)};
+    b = Vec16{int_to_float(b.x), int_to_float(b.y), int_to_float(b.z), int_to_float(b.w)};
   }
   Vec16 out;
   out.x = T::pack(__uint_as_float(a.x) * s, __uint_as_float(a.y) * s);

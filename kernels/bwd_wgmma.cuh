@@ -259,18 +259,6 @@ __device__ __forceinline__ void stage_dq(u32 piece, const float (&acc)[kTiles][4
     }
 }
 
-// The fixed-point units (bwd_rows.cuh) of the kBr rows of the q tile at q0 into shared `dst`, by
-// threads 0 <= t < kBr / 4 (callers pass their thread index less an offset), with the tile's LSE
-// and delta: read from global memory where dQ is staged, their latency cost the deterministic
-// kernel 6-10 % (NOTES.md §38).
-template <int kBr, class P>
-__device__ __forceinline__ void load_dq_units_async(float* dst, const P& p, int batch, int head, int q0, int t) {
-  if (0 <= t && t < kBr / 4) {
-    const i64 row = (static_cast<i64>(batch) * p.num_heads + head) * p.q_len_pad + q0;
-    cp_async_16(smem_u32(dst + t * 4), p.dq_unit + row + t * 4, true);
-  }
-}
-
 // A staged q tile's dQ (`bytes` from shared `src`) added to the accumulator at `dst`: fp32, or the
 // fixed-point int32 of the deterministic kernels.
 template <bool kFixedPoint>
@@ -326,8 +314,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
                                                   t.q0, q_len, threadIdx.x);
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
                                                   p.do_sn, t.q0, q_len, threadIdx.x);
-    bwd::load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);  // threads 0 .. kBr / 2 - 1
-    if constexpr (kDeterministic) load_dq_units_async<kBr>(sUnit + buf * kBr, p, batch, head, t.q0, tid - kBr / 2);
+    // threads 0 .. kBr / 2 - 1 (3 kBr / 4 - 1 with the units: in shared memory with LSE and delta,
+    // since read from global memory where dQ is staged their latency cost 6-10 %, NOTES.md §38)
+    bwd::load_row_stats_async<kBr, kDeterministic>(sLse, sDelta, buf, p, batch, head, t.q0, tid, sUnit);
     if (kStagedBits && t.type == kPartial && tid >= S::kThreads - kBr)  // the last kBr threads: a q row each
       load_bits_async<C>(sBits + (buf * kBr + tid - (S::kThreads - kBr)) * S::kBitsRowBytes, p, t,
                          bwd::partial_index(p, batch, head, kv0, t), kv0, tid - (S::kThreads - kBr));

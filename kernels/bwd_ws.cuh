@@ -150,8 +150,8 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
                                                               p.dout + batch * p.do_sb + head * p.do_sh, p.do_sn, tile.q0,
                                                               p.q_len, t);
     }
-    bwd::load_row_stats_async<kBr>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t);  // threads 0-15, 16-31
-    if constexpr (kDeterministic) bwd_wgmma::load_dq_units_async<kBr>(sm.unit(s), p, batch, head, tile.q0, t - kBr / 2);
+    // threads 0-15, 16-31 (and the fixed-point units 32-47)
+    bwd::load_row_stats_async<kBr, kDeterministic>(sm.lse, sm.delta, s, p, batch, head, tile.q0, t, sm.unit(0));
     if (kStagedBits && tile.type == kPartial && t < kBr) {  // its bits, a thread per q row (bwd_wgmma.cuh)
       const int pidx = bwd::partial_index(p, batch, head, kv0, tile);
       bwd_wgmma::load_bits_async<C>(sm.bits + (s * kBr + t) * S::kBitsRowBytes, p, tile, pidx, kv0, t);

@@ -100,6 +100,9 @@ def tile_head_dim(head_dim: int, family: str = "sync") -> Optional[int]:
 
 #: Warps per CTA of the backward's row kernels (kernels/bwd_rows.cuh kRowWarps).
 BWD_ROW_WARPS = 8
+#: Rows of K and V per CTA of the wgmma backward's ``_kvb`` kernel (kernels/bwd_rows.cuh kBoundRows;
+#: the template static_asserts they agree).
+BWD_BOUND_ROWS = 256
 
 
 def row_kernel_rows(head_dim: int) -> int:
@@ -402,6 +405,7 @@ class Variant:
         values["staging_swizzled"] = self.staging_swizzled
         if self.operation == "backward":  # the row kernels' grid, checked against RowShape in the kernel
             values["row_rows"] = self.row_kernel_rows
+            values["bound_rows"] = BWD_BOUND_ROWS
         return values
 
 

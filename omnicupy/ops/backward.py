@@ -28,7 +28,7 @@ from .. import arrays, jit
 from ..dispatch.arch import current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
-from ..dispatch.variant import BWD_ROW_WARPS
+from ..dispatch.variant import BWD_BOUND_ROWS, BWD_ROW_WARPS
 from ..errors import ArgumentError, CompileError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
@@ -164,8 +164,8 @@ def make_plan(inp: Inputs, bm: BlockMask, extras: BackwardExtras, arch: Optional
 #: The backward struct's per-call pointers, in the order Recipe.launch takes them.
 POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "delta", "dq_accum", "dq_semaphore",
                   "dq_unit", "kv_bound")
-#: Rows of K and V per CTA of the ``_kvb`` kernel (kernels/bwd_rows.cuh kBoundRows).
-BOUND_ROWS = 256
+#: The workspace's parts, in the order of Workspace.sizes.
+WORKSPACE_FIELDS = POINTER_FIELDS[POINTER_FIELDS.index("lse_log2"):]
 #: Byte alignment of each workspace part inside the one allocation.
 WORKSPACE_ALIGN = 256
 
@@ -180,10 +180,10 @@ class Workspace:
     counters, FIXED the rows' units (fp32 ``[B, Hq, q_len_pad]``) and the K/V bounds (fp32
     ``[B, Hkv, 2]``). Turn counters and bounds are zeroed here, on the stream."""
 
-    sizes: tuple[int, ...]  # bytes of each POINTER_FIELDS workspace part, from lse_log2 on (0: none)
+    sizes: tuple[int, ...]  # bytes of each of WORKSPACE_FIELDS (0: none)
 
-    #: The parts zeroed before the launches: dq_semaphore and kv_bound.
-    ZEROED = (3, 5)
+    #: The parts zeroed before the launches (indices into ``sizes``): dq_semaphore and kv_bound.
+    ZEROED = tuple(WORKSPACE_FIELDS.index(name) for name in ("dq_semaphore", "kv_bound"))
 
     @classmethod
     def of(cls, batch: int, heads: int, kv_heads: int, head_dim: int, q_len_pad: int, q_tile: int, passes: int,
@@ -303,7 +303,7 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     if maps is not None:
         fields.update(maps.fields(inp.q.data.ptr, dout.data.ptr))
     row_block, rows = (32 * BWD_ROW_WARPS, 1, 1), variant.row_kernel_rows  # both from dispatch/variant.py
-    launches = [KernelLaunch(bounds, (cdiv(inp.kv_len, BOUND_ROWS), inp.kv_heads, B), row_block)] \
+    launches = [KernelLaunch(bounds, (cdiv(inp.kv_len, BWD_BOUND_ROWS), inp.kv_heads, B), row_block)] \
         if dq_sum is DqSum.FIXED else []
     launches += [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
                 KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
