@@ -4,7 +4,7 @@
 // l/4 + 8, columns 2(l%4) and 2(l%4) + 1 of each 16x8 tile; Sᵀ's rows are kv positions, its
 // columns q positions). So the code that does not touch an MMA lives here, once:
 //
-//   the q-tile walk          QTile, next_q_tile (the transposed block index)
+//   the q-tile walk          QTile, next_q_tile (the transposed block index), after_q_tile
 //   per-q-tile loads         load_row_stats_async (LSE, delta and fixed-point unit rows into shared memory)
 //   Pᵀ from Sᵀ               ScoreTile, score_tile (or score_tile_staged: PARTIAL bits in
 //                            shared memory, partial_index their pool block), plain_probs,
@@ -76,6 +76,19 @@ __device__ __forceinline__ QTile next_q_tile(const P& p, int batch, int hk, int 
     }
   }
   return QTile{p.kv_group, 0, 0, 0, kMasked, 0};
+}
+
+// The q tile after `cur`: the next tile of the same q block where there is one, with no loads (a
+// step of the walk above is a chain of dependent global loads, which every warp of the mma.sync
+// kernel waits for at each q tile, NOTES.md §40), else the walk.
+template <class C, class P>
+__device__ __forceinline__ QTile after_q_tile(const P& p, int batch, int hk, int kv0, const QTile& cur,
+                                              bool deterministic) {
+  const int q0 = cur.q0 + C::kBr;
+  const bool skipped = C::kHasCausal && !deterministic && cur.type == kCausal && q0 + C::kBr - 1 < kv0;
+  if (cur.tile + 1 < p.q_block_size / C::kBr && q0 < p.q_len && !skipped)
+    return QTile{cur.g, cur.slot, cur.tile + 1, q0, cur.type, cur.q_block};
+  return next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
 }
 
 // The pool index of PARTIAL q tile t's block (of head `head`, kv tile at kv0).

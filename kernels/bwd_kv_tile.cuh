@@ -15,7 +15,11 @@
 //   dQ += dS K                 fp32 atomics into a workspace, optionally in a fixed order
 //
 // dK and dV stay in registers across the whole walk (the GQA group included), so they need no
-// atomics; each warp owns kBc / kWarps kv rows of them. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8
+// atomics; each warp owns kWarpRows kv rows of them. With kQSplit = 2 the warps form two q parts:
+// the warps of part h compute Sᵀ, dPᵀ and their dV, dK terms for q columns h kBr/2 .. of each q
+// tile over kv rows twice as many per warp (the Q and dO fragments each warp reads from shared
+// memory then serve two m16 tiles: a quarter less shared-memory traffic per q tile at D = 64,
+// NOTES.md §40), and the parts' dK and dV partial sums meet once, in the epilogue. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8
 // accumulator layout (lane l: rows l/4 and l/4 + 8, columns 2(l%4) and 2(l%4) + 1 of each 16x8
 // tile; rows are kv positions here, columns q positions), Pᵀ and dSᵀ feed dV and dK as A
 // fragments straight from registers, and dSᵀ goes through shared memory once for dQ, where the
@@ -39,11 +43,13 @@ namespace bwd {
 template <class C>
 struct Shape {
   static constexpr int kThreads = C::kWarps * 32;
-  static constexpr int kWarpRows = C::kBc / C::kWarps;  // kv rows per warp
-  static constexpr int kMTiles = kWarpRows / 16;         // m16 tiles of kv rows per warp
-  static constexpr int kNTiles = C::kBr / 8;             // n8 tiles of q columns (Sᵀ, dPᵀ)
-  static constexpr int kKSteps = C::kHeadDim / 16;       // k16 steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
-  static constexpr int kQSteps = C::kBr / 16;            // k16 steps of dV = Pᵀ dO and dK = dSᵀ Q
+  static constexpr int kKvWarps = C::kWarps / C::kQSplit;  // warps per q part, splitting the kv rows
+  static constexpr int kWarpRows = C::kBc / kKvWarps;      // kv rows per warp
+  static constexpr int kQCols = C::kBr / C::kQSplit;       // q columns per warp (its q part)
+  static constexpr int kMTiles = kWarpRows / 16;           // m16 tiles of kv rows per warp
+  static constexpr int kNTiles = kQCols / 8;               // n8 tiles of q columns (Sᵀ, dPᵀ)
+  static constexpr int kKSteps = C::kHeadDim / 16;         // k16 steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+  static constexpr int kQSteps = kQCols / 16;              // k16 steps of dV = Pᵀ dO and dK = dSᵀ Q
   static constexpr int kOutTiles = C::kDOut / 8;         // n8 tiles of dK / dV columns
   static constexpr int kPasses = C::kHeadDim / C::kDOut;
   static constexpr int kLd = C::kHeadDim + 8;            // smem row stride: +16 bytes, conflict-free ldmatrix
@@ -58,7 +64,8 @@ struct Shape {
   static constexpr int kDqChunk = kDqCols <= 64 ? kDqCols : kDqCols % 64 == 0 ? 64 : kDqCols % 48 == 0 ? 48 : 16;
   static constexpr int kDqKSteps = C::kBc / 16;
 
-  static_assert(kWarpRows % 16 == 0, "each warp owns whole m16 tiles of kv rows");
+  static_assert(C::kQSplit == 1 || C::kQSplit == 2, "one or two q parts");
+  static_assert(kWarpRows % 16 == 0 && kQCols % 16 == 0, "each warp owns whole m16 tiles of kv rows, k16 steps of q");
   static_assert(C::kBc % 32 == 0, "kv tiles cover whole 32-bit words of partial bits");
   static_assert(C::kBr % 16 == 0 && kThreads >= C::kBr / 2, "q tiles: whole k16 steps; one LSE/delta chunk per thread");
   static_assert(C::kHeadDim % C::kDOut == 0 && kOutTiles % 2 == 0, "column passes split the head dim evenly");
@@ -83,6 +90,33 @@ __device__ __forceinline__ void load_rows_async(u16* smem, const u16* gmem, i64 
 }
 
 // Tile products (mma_rows_rows, mma_regs_rows, pack_a, zero): kernels/mma_tiles.cuh.
+
+// kQSplit = 2: the accumulators of q part 1's warps added into those of part 0's warps with the
+// same kv rows, through `exchange` (shared, kKvWarps * kMT * kDT * 128 floats, free to overwrite).
+// Stored in fragment order, lane fastest: conflict-free, whatever the accumulator layout.
+template <int kKvWarps, int kMT, int kDT>
+__device__ __forceinline__ void add_q_part(float (&acc)[kMT][kDT][4], float* exchange, int kv_warp, int q_part,
+                                           int lane) {
+  float* mine = exchange + kv_warp * (kMT * kDT * 128) + lane;
+  if (q_part == 1) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mine[((mt * kDT + dt) * 4 + i) * 32] = acc[mt][dt][i];
+  }
+  __syncthreads();
+  if (q_part == 0) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][dt][i] += mine[((mt * kDT + dt) * 4 + i) * 32];
+  }
+  __syncthreads();  // read before the next exchange overwrites it
+}
 
 // ================================================================ the kernel body
 template <class C, class F, class P>
@@ -111,7 +145,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int col0 = pass * C::kDOut;  // first dK/dV/dQ column of this CTA
   const int group = p.kv_group, q_len = p.q_len, kv_len = p.kv_len;
   const bool deterministic = p.dq_semaphore != nullptr;
-  const int warp_row0 = warp * S::kWarpRows;  // this warp's first kv row within the tile
+  const int kv_warp = warp % S::kKvWarps, q_part = warp / S::kKvWarps;
+  const int warp_row0 = kv_warp * S::kWarpRows;  // this warp's first kv row within the tile
+  const int q_off = q_part * S::kQCols;           // and its first q column within a q tile
 
   // ---- K and V: loaded once ----
   load_rows_async<kBc, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len);
@@ -139,10 +175,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int bk_row = ((lane / 8) % 2) * 8 + lane % 8, bk_col = (lane / 16) * 8;
   const u32 k_a0 = smem_u32(sK + (warp_row0 + a_row) * kLd + a_col);
   const u32 v_a0 = smem_u32(sV + (warp_row0 + a_row) * kLd + a_col);
-  const u32 q_bn0 = smem_u32(sQ + bn_row * kLd + bn_col);
-  const u32 do_bn0 = smem_u32(sdO + bn_row * kLd + bn_col);
-  const u32 q_bk0 = smem_u32(sQ + bk_row * kLd + bk_col + col0);
-  const u32 do_bk0 = smem_u32(sdO + bk_row * kLd + bk_col + col0);
+  const u32 q_bn0 = smem_u32(sQ + (q_off + bn_row) * kLd + bn_col);
+  const u32 do_bn0 = smem_u32(sdO + (q_off + bn_row) * kLd + bn_col);
+  const u32 q_bk0 = smem_u32(sQ + (q_off + bk_row) * kLd + bk_col + col0);
+  const u32 do_bk0 = smem_u32(sdO + (q_off + bk_row) * kLd + bk_col + col0);
   const u32 k_bk0 = smem_u32(sK + bk_row * kLd + bk_col);
   const u32 ds_a0 = smem_u32(sdS + bn_row * kLdS + bn_col);
   constexpr u32 kBufBytes = kBr * kLd * 2;
@@ -163,7 +199,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // (its buffer, now free for the prefetch, and dSᵀ).
     cp_async_wait<0>();
     __syncthreads();
-    const QTile nxt = next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, deterministic);
+    const QTile nxt = after_q_tile<C>(p, batch, hk, kv0, cur, deterministic);
     if (C::kStages == 2 && nxt.g < group) load_q_tile(nxt, buf ^ 1);
 
     const int head = hk * group + cur.g;
@@ -173,15 +209,16 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // the loop as a register of its own (as in the forward kernel).
     u32 k_a = k_a0, v_a = v_a0, q_bn = q_bn0, do_bn = do_bn0, q_bk = q_bk0, do_bk = do_bk0, k_bk = k_bk0, ds_a = ds_a0;
     asm volatile("" : "+r"(k_a), "+r"(v_a), "+r"(q_bn), "+r"(do_bn), "+r"(q_bk), "+r"(do_bk), "+r"(k_bk), "+r"(ds_a));
-    const float* lse_s = sLse + buf * kBr;
-    const float* delta_s = sDelta + buf * kBr;
+    const float* lse_s = sLse + buf * kBr + q_off;  // this warp's q columns
+    const float* delta_s = sDelta + buf * kBr + q_off;
 
     // ---- Sᵀ = K Qᵀ ----
     float acc_s[kMT][kNT][4];
     mma_rows_rows<kMT, kNT, S::kKSteps, kLd, T>(acc_s, k_a, q_bn + buf_off);
 
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) ----
-    const ScoreTile<C> st = score_tile<C>(p, cur, batch, head, kv0);
+    ScoreTile<C> st = score_tile<C>(p, cur, batch, head, kv0);
+    if (C::kQSplit > 1 && st.bits != nullptr) st.bits += q_off * st.words;  // rows of this warp's q columns
     float grad[kMT][kNT][4];
     if (st.plain(kv_tail)) {
 #pragma unroll
@@ -194,7 +231,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
-          masked_probs<C, F>(acc_s[mt][nt], grad[mt][nt], acc_s[mt][nt], p, st, kv_tail, batch, head, q0, kv0,
+          masked_probs<C, F>(acc_s[mt][nt], grad[mt][nt], acc_s[mt][nt], p, st, kv_tail, batch, head, q0 + q_off, kv0,
                              kv_in_block, warp_row0 + mt * 16, lse_s, nt, lane / 4, (lane % 4) * 2);
     }
 
@@ -213,21 +250,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
           acc_dp[mt][nt][i] = ds;
         }
 
-    // ---- dV += Pᵀ dO ----
-    {
-      u32 a_p[kMT][S::kQSteps][4];
-      pack_a<T>(a_p, acc_s);
-      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
-    }
-    // ---- dK += dSᵀ Q; dSᵀ to shared memory for dQ ----
-    {
-      u32 a_ds[kMT][S::kQSteps][4];
-      pack_a<T>(a_ds, acc_dp);
+    // ---- Pᵀ and dSᵀ as A fragments; dSᵀ to shared memory for dQ ----
+    u32 a_p[kMT][S::kQSteps][4], a_ds[kMT][S::kQSteps][4];
+    pack_a<T>(a_p, acc_s);
+    pack_a<T>(a_ds, acc_dp);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-        store_ds_rows<kLdS>(sdS, a_ds[mt], warp_row0 + mt * 16 + lane / 4, (lane % 4) * 2);
-      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+      store_ds_rows<kLdS>(sdS, a_ds[mt], warp_row0 + mt * 16 + lane / 4, q_off + (lane % 4) * 2);
     __syncthreads();  // dSᵀ complete
 
     // ---- dQ += dS K (fp32 atomics; in deterministic mode in decreasing kv tile order) ----
@@ -269,6 +298,11 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }
 
+    // ---- dV += Pᵀ dO, dK += dSᵀ Q: after the dQ reductions, which drain while these MMAs run (at
+    // the next q tile's cp.async wait the warp would otherwise wait for them, NOTES.md §40) ----
+    mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
+    mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
+
     if (C::kStages == 1) {
       __syncthreads();  // every warp is done with Q, dO and dSᵀ: the next tile may overwrite them
       if (nxt.g < group) load_q_tile(nxt, 0);
@@ -278,7 +312,15 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   }
   cp_async_wait<0>();  // a kv tile that no q tile sees still has K and V in flight
 
-  // ---- epilogue: dK (scaled) and dV, zeros for kv rows that no query sees ----
+  // ---- epilogue: the q parts' sums met, dK (scaled) and dV, zeros for kv rows that no query sees ----
+  if (C::kQSplit > 1) {
+    static_assert(C::kBc * C::kDOut * 4 <= (2 * kBc + 2 * C::kStages * kBr) * kLd * 2, "the exchange fits in K, V, Q, dO");
+    __syncthreads();  // every warp is done with the tiles whose bytes the exchange reuses
+    float* exchange = reinterpret_cast<float*>(smem_raw);
+    add_q_part<S::kKvWarps>(acc_dv, exchange, kv_warp, q_part, lane);
+    add_q_part<S::kKvWarps>(acc_dk, exchange, kv_warp, q_part, lane);
+    if (q_part != 0) return;
+  }
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
     store_dk_dv_rows<S::kOutTiles, C::kHeadDim, C::kHeadDimValid, T>(p, batch, hk, kv0 + warp_row0 + mt * 16, col0,

@@ -461,7 +461,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
     if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp; the other buffer is free
-    const QTile nxt = bwd::next_q_tile<C>(p, batch, hk, kv0, cur.g, cur.slot, cur.tile + 1, false);
+    const QTile nxt = bwd::after_q_tile<C>(p, batch, hk, kv0, cur, false);
     if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).

@@ -134,11 +134,12 @@ def test_zoo_masks(factory):
 
 
 @pytest.mark.parametrize("qbs,kbs", [(64, 64), (128, 256), (256, 128), (16, 32), (64, 512), (48, 96)])
-def test_block_sizes(qbs, kbs):
+@pytest.mark.parametrize("head_dim", [64, 128])  # 64: the fallback tiles with and without q parts (bwd_q_split)
+def test_block_sizes(qbs, kbs, head_dim):
     seed = new_seed()
     rng = np.random.default_rng(seed)
     n = 700
-    q, k, v = random_qkv(rng, 1, 2, n, 128, "fp16")
+    q, k, v = random_qkv(rng, 1, 2, n, head_dim, "fp16")
     bm, dense = random_block_mask(rng, 1, 2, n, n, qbs, kbs, empty_q_blocks=1, shuffle=True)
     check_backward(seed, q, k, v, dense, "fp16", block_mask=bm)
 

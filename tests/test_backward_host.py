@@ -9,6 +9,7 @@ import pytest
 import omnicupy
 from omnicupy import BlockMask, BlockType, arrays, jit, score_mods
 from omnicupy.dispatch import tiles
+from omnicupy.dispatch.tiles import BwdTile
 from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS, Variant
 from omnicupy.errors import ArgumentError, MaskError, NoGPUError
 from omnicupy.jit.cache import DiskCache
@@ -180,6 +181,25 @@ def test_backward_warps_split_kv_rows():
     Variant(64, "fp16", 16, 64, 4, 2, operation="backward")  # q tiles of 16 rows are fine
 
 
+@pytest.mark.parametrize("head_dim,tile,parts", [
+    (64, BwdTile(64, 128, 8), 2), (32, BwdTile(64, 128, 8), 2), (64, BwdTile(64, 64, 4), 2),
+    (64, BwdTile(32, 128, 8), 2), (64, BwdTile(64, 32, 2), 2),
+    (64, BwdTile(16, 32, 2), 1),   # q parts of 8 columns: not a k16 step
+    (64, BwdTile(64, 128, 4), 1),  # 32 kv rows per warp already: two q parts would need 64
+    (96, BwdTile(64, 128, 8), 1), (128, BwdTile(64, 128, 8), 1), (256, BwdTile(32, 64, 4), 1),
+])
+def test_q_parts_where_registers_allow(head_dim, tile, parts):
+    # kernels/bwd_kv_tile.cuh kQSplit: two q parts need dK and dV of two m16 tiles per warp in registers
+    variant = tiles.backward_variant(tile, head_dim, "fp16", False, False)
+    assert variant.q_split == parts
+    assert f"kQSplit = {parts};" in jit.render.render_source(variant)
+
+
+def test_q_parts_are_the_sync_kernels_only():
+    variant = tiles.backward_variant(tiles.WGMMA_BACKWARD_TILES[64], 64, "fp16", False, False, family="wgmma")
+    assert variant.q_split == 1
+
+
 # ---------------------------------------------------------------- compiles
 SHIPPED = tiles.shipped_backward_variants()
 FEATURES = [
@@ -192,7 +212,7 @@ FEATURES = [
                            mask_expr=omnicupy.cuda_mask("doc[q_idx] == doc[kv_idx]",
                                                         arrays={"doc": np.zeros(8, np.int32)}).cuda.key,
                            score_expr=score_mods.alibi(4).cuda.key, score_grad=score_mods.UNIT_GRAD),
-    *[tiles.backward_variant(t, 128, "fp16", False, True) for t in tiles.BACKWARD_FALLBACKS],
+    *[tiles.backward_variant(t, hd, "fp16", False, True) for t in tiles.BACKWARD_FALLBACKS for hd in (64, 128)],
 ]
 
 

@@ -105,6 +105,15 @@ BWD_ROW_WARPS = 8
 BWD_BOUND_ROWS = 256
 
 
+def bwd_q_split(head_dim: int, br: int, bc: int, warps: int) -> int:
+    """q parts of the mma.sync backward (kernels/bwd_kv_tile.cuh kQSplit): 2 where each warp can own
+    two m16 tiles of kv rows for half of each q tile's columns, which halves the Q and dO fragments
+    it reads from shared memory per product. That needs dK and dV for the two tiles in registers
+    (head dims up to 64) and a tile that splits evenly (k16 steps of q columns per part); else 1.
+    Measured on the H200: NOTES.md §40."""
+    return 2 if head_dim <= 64 and br % 32 == 0 and warps % 2 == 0 and 2 * bc == 32 * warps else 1
+
+
 def row_kernel_rows(head_dim: int) -> int:
     """Query rows per CTA of the backward's row kernels for rows of ``head_dim`` columns (the
     caller's): kernels/bwd_rows.cuh RowShape, one lane per 16-byte chunk, the chunks rounded up to a
@@ -384,6 +393,13 @@ class Variant:
         return (self.family not in HOPPER_FAMILIES or has_wgmma(arch)) and self.smem_bytes <= smem_limit(arch)
 
     @property
+    def q_split(self) -> int:
+        """backward (mma.sync): q parts of its q tiles (bwd_q_split); 1 for every other kernel."""
+        if self.operation != "backward" or self.family != "sync":
+            return 1
+        return bwd_q_split(self.head_dim, self.br, self.bc, self.warps)
+
+    @property
     def row_kernel_rows(self) -> int:
         """backward: query rows per CTA of its row kernels (``row_kernel_rows``)."""
         return row_kernel_rows(self.real_head_dim)
@@ -405,6 +421,7 @@ class Variant:
         values["staging_swizzled"] = self.staging_swizzled
         if self.operation == "backward":  # the row kernels' grid, checked against RowShape in the kernel
             values["row_rows"] = self.row_kernel_rows
+            values["q_split"] = self.q_split
             values["bound_rows"] = BWD_BOUND_ROWS
         return values
 
