@@ -19,7 +19,9 @@
 // the warps of part h compute Sᵀ, dPᵀ and their dV, dK terms for q columns h kBr/2 .. of each q
 // tile over kv rows twice as many per warp (the Q and dO fragments each warp reads from shared
 // memory then serve two m16 tiles: a quarter less shared-memory traffic per q tile at D = 64,
-// NOTES.md §40), and the parts' dK and dV partial sums meet once, in the epilogue. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8
+// NOTES.md §40), and the parts' dK and dV partial sums meet once, in the epilogue. At D = 128 the
+// dK and dV of 32 rows do not fit a warp's registers: there (kColumnParts) the parts split dK and
+// dV's columns instead, and both read Pᵀ and dSᵀ of the whole q tile back from shared memory. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8
 // accumulator layout (lane l: rows l/4 and l/4 + 8, columns 2(l%4) and 2(l%4) + 1 of each 16x8
 // tile; rows are kv positions here, columns q positions), Pᵀ and dSᵀ feed dV and dK as A
 // fragments straight from registers, and dSᵀ goes through shared memory once for dQ, where the
@@ -50,13 +52,17 @@ struct Shape {
   static constexpr int kNTiles = kQCols / 8;               // n8 tiles of q columns (Sᵀ, dPᵀ)
   static constexpr int kKSteps = C::kHeadDim / 16;         // k16 steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
   static constexpr int kQSteps = kQCols / 16;              // k16 steps of dV = Pᵀ dO and dK = dSᵀ Q
-  static constexpr int kOutTiles = C::kDOut / 8;         // n8 tiles of dK / dV columns
+  // dK/dV columns per warp: all of the pass's, or with kColumnParts the q part's half of them
+  static constexpr int kOutCols = C::kColumnParts ? C::kDOut / 2 : C::kDOut;
+  static constexpr int kOutTiles = kOutCols / 8;          // n8 tiles of dK / dV columns
+  static constexpr int kTileQSteps = C::kBr / 16;         // k16 steps of a whole q tile (kColumnParts' dV, dK)
   static constexpr int kPasses = C::kHeadDim / C::kDOut;
   static constexpr int kLd = C::kHeadDim + 8;            // smem row stride: +16 bytes, conflict-free ldmatrix
   static constexpr int kLdS = C::kBr + 8;                // dSᵀ row stride
   static constexpr int kChunks = C::kHeadDim / 8;        // 16-byte chunks per row
-  // dQ = dS K: the warps split the q tile's m16 tiles, then the columns.
-  static constexpr int kDqRowWarps = C::kWarps < C::kBr / 16 ? C::kWarps : C::kBr / 16;
+  // dQ = dS K: the warps split the q tile's m16 tiles and the columns (dispatch/variant.py
+  // bwd_dq_row_warps: as square a split as divides, for the least dSᵀ and K read per warp).
+  static constexpr int kDqRowWarps = C::kDqRowWarps;
   static constexpr int kDqColWarps = C::kWarps / kDqRowWarps;
   static constexpr int kDqMTiles = C::kBr / 16 / kDqRowWarps;
   static constexpr int kDqCols = C::kDOut / kDqColWarps;
@@ -65,6 +71,7 @@ struct Shape {
   static constexpr int kDqKSteps = C::kBc / 16;
 
   static_assert(C::kQSplit == 1 || C::kQSplit == 2, "one or two q parts");
+  static_assert(!C::kColumnParts || (C::kQSplit == 2 && kOutTiles % 2 == 0), "column parts: two q parts, n16 pairs");
   static_assert(kWarpRows % 16 == 0 && kQCols % 16 == 0, "each warp owns whole m16 tiles of kv rows, k16 steps of q");
   static_assert(C::kBc % 32 == 0, "kv tiles cover whole 32-bit words of partial bits");
   static_assert(C::kBr % 16 == 0 && kThreads >= C::kBr / 2, "q tiles: whole k16 steps; one LSE/delta chunk per thread");
@@ -131,7 +138,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   u16* sQ = sV + kBc * kLd;                       // [kStages][kBr][kLd]
   u16* sdO = sQ + C::kStages * kBr * kLd;         // [kStages][kBr][kLd]
   u16* sdS = sdO + C::kStages * kBr * kLd;        // [kBc][kLdS]: dSᵀ of the current q tile
-  float* sLse = reinterpret_cast<float*>(sdS + kBc * kLdS);  // [kStages][kBr] LSE, log2 units
+  u16* sP = sdS + kBc * kLdS;                     // [kBc][kLdS]: Pᵀ of the current q tile (kColumnParts)
+  float* sLse = reinterpret_cast<float*>(sP + (C::kColumnParts ? kBc * kLdS : 0));  // [kStages][kBr] LSE, log2 units
   float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -148,6 +156,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const int kv_warp = warp % S::kKvWarps, q_part = warp / S::kKvWarps;
   const int warp_row0 = kv_warp * S::kWarpRows;  // this warp's first kv row within the tile
   const int q_off = q_part * S::kQCols;           // and its first q column within a q tile
+  // The q rows (k of dV = Pᵀ dO, dK = dSᵀ Q) and the dK/dV columns of this warp's products.
+  const int kq_off = C::kColumnParts ? 0 : q_off;
+  const int out_col = col0 + (C::kColumnParts ? q_part * S::kOutCols : 0);
 
   // ---- K and V: loaded once ----
   load_rows_async<kBc, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sK, p.k + batch * p.k_sb + hk * p.k_sh, p.k_sn, kv0, kv_len);
@@ -169,7 +180,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   //   A from [row][k] (K, V: this warp's kv rows): row lane % 16, column half lane / 16;
   //   B from [n][k] (Q, dO as n): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2;
   //   B from [k][n] (Q, dO, K as k; .trans): row ((lane / 8) % 2) * 8 + lane % 8, column half lane / 16;
-  //   A from [k][m] (dSᵀ for dS; .trans): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2.
+  //   A from [k][m] (dSᵀ for dS; .trans): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2;
+  //   A from [row][k] (Pᵀ, dSᵀ: this warp's kv rows, kColumnParts): as K and V.
   const int a_row = lane % 16, a_col = (lane / 16) * 8;
   const int bn_row = (lane / 16) * 8 + lane % 8, bn_col = ((lane / 8) % 2) * 8;
   const int bk_row = ((lane / 8) % 2) * 8 + lane % 8, bk_col = (lane / 16) * 8;
@@ -177,10 +189,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   const u32 v_a0 = smem_u32(sV + (warp_row0 + a_row) * kLd + a_col);
   const u32 q_bn0 = smem_u32(sQ + (q_off + bn_row) * kLd + bn_col);
   const u32 do_bn0 = smem_u32(sdO + (q_off + bn_row) * kLd + bn_col);
-  const u32 q_bk0 = smem_u32(sQ + (q_off + bk_row) * kLd + bk_col + col0);
-  const u32 do_bk0 = smem_u32(sdO + (q_off + bk_row) * kLd + bk_col + col0);
+  const u32 q_bk0 = smem_u32(sQ + (kq_off + bk_row) * kLd + bk_col + out_col);
+  const u32 do_bk0 = smem_u32(sdO + (kq_off + bk_row) * kLd + bk_col + out_col);
   const u32 k_bk0 = smem_u32(sK + bk_row * kLd + bk_col);
   const u32 ds_a0 = smem_u32(sdS + bn_row * kLdS + bn_col);
+  const u32 p_rows0 = smem_u32(sP + (warp_row0 + a_row) * kLdS + a_col);
+  const u32 ds_rows0 = smem_u32(sdS + (warp_row0 + a_row) * kLdS + a_col);
   constexpr u32 kBufBytes = kBr * kLd * 2;
 
   float acc_dk[kMT][S::kOutTiles][4], acc_dv[kMT][S::kOutTiles][4];
@@ -250,14 +264,21 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
           acc_dp[mt][nt][i] = ds;
         }
 
-    // ---- Pᵀ and dSᵀ as A fragments; dSᵀ to shared memory for dQ ----
+    // ---- Pᵀ and dSᵀ as A fragments; dSᵀ to shared memory for dQ (and with kColumnParts Pᵀ and
+    // dSᵀ for both parts' dV and dK, which contract over the whole q tile) ----
     u32 a_p[kMT][S::kQSteps][4], a_ds[kMT][S::kQSteps][4];
     pack_a<T>(a_p, acc_s);
     pack_a<T>(a_ds, acc_dp);
+    if (C::kQSplit == 1) {  // dV += Pᵀ dO, dK += dSᵀ Q now, releasing the fragments' registers before dQ
+      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
+      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
+    }
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int mt = 0; mt < kMT; ++mt) {
       store_ds_rows<kLdS>(sdS, a_ds[mt], warp_row0 + mt * 16 + lane / 4, q_off + (lane % 4) * 2);
-    __syncthreads();  // dSᵀ complete
+      if (C::kColumnParts) store_ds_rows<kLdS>(sP, a_p[mt], warp_row0 + mt * 16 + lane / 4, q_off + (lane % 4) * 2);
+    }
+    __syncthreads();  // dSᵀ (and Pᵀ) complete
 
     // ---- dQ += dS K (fp32 atomics; in deterministic mode in decreasing kv tile order) ----
     {
@@ -298,10 +319,18 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }
 
-    // ---- dV += Pᵀ dO, dK += dSᵀ Q: after the dQ reductions, which drain while these MMAs run (at
-    // the next q tile's cp.async wait the warp would otherwise wait for them, NOTES.md §40) ----
-    mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
-    mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
+    // ---- with q parts, dV += Pᵀ dO, dK += dSᵀ Q after the dQ reductions, which drain while these
+    // MMAs run (at the next q tile's cp.async wait the warp would otherwise wait for them, NOTES.md
+    // §40; column parts read the other part's Pᵀ and dSᵀ, complete only after the barrier) ----
+    if (C::kColumnParts) {
+      u32 p_rows = p_rows0, ds_rows = ds_rows0;
+      asm volatile("" : "+r"(p_rows), "+r"(ds_rows));
+      mma_smem_rows<kMT, S::kOutTiles, S::kTileQSteps, kLdS, kLd, T>(acc_dv, p_rows, do_bk + buf_off);
+      mma_smem_rows<kMT, S::kOutTiles, S::kTileQSteps, kLdS, kLd, T>(acc_dk, ds_rows, q_bk + buf_off);
+    } else if (C::kQSplit > 1) {
+      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
+      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
+    }
 
     if (C::kStages == 1) {
       __syncthreads();  // every warp is done with Q, dO and dSᵀ: the next tile may overwrite them
@@ -313,7 +342,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   cp_async_wait<0>();  // a kv tile that no q tile sees still has K and V in flight
 
   // ---- epilogue: the q parts' sums met, dK (scaled) and dV, zeros for kv rows that no query sees ----
-  if (C::kQSplit > 1) {
+  if (C::kQSplit > 1 && !C::kColumnParts) {
     static_assert(C::kBc * C::kDOut * 4 <= (2 * kBc + 2 * C::kStages * kBr) * kLd * 2, "the exchange fits in K, V, Q, dO");
     __syncthreads();  // every warp is done with the tiles whose bytes the exchange reuses
     float* exchange = reinterpret_cast<float*>(smem_raw);
@@ -323,7 +352,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   }
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
-    store_dk_dv_rows<S::kOutTiles, C::kHeadDim, C::kHeadDimValid, T>(p, batch, hk, kv0 + warp_row0 + mt * 16, col0,
+    store_dk_dv_rows<S::kOutTiles, C::kHeadDim, C::kHeadDimValid, T>(p, batch, hk, kv0 + warp_row0 + mt * 16, out_col,
                                                                       acc_dk[mt], acc_dv[mt], lane / 4, (lane % 4) * 2);
 }
 

@@ -6,6 +6,7 @@
 //   mma_rows_rows  acc = A Bᵀ, A (one warp's rows) and B both stored [row][k] in shared memory
 //   pack_a         two adjacent n8 accumulator tiles -> the A fragment of one k16 step
 //   mma_regs_rows  acc += A B, A in registers (packed fragments), B stored [k][n] in shared memory
+//   mma_smem_rows  acc += A B, A stored [m][k] and B stored [k][n], both in shared memory
 //
 // Fragment layouts are those of mma.cuh: lane l holds rows l/4 and l/4 + 8, columns 2(l%4) and
 // 2(l%4) + 1 of each 16x8 accumulator tile. Everything a product depends on is an explicit
@@ -85,6 +86,29 @@ __device__ __forceinline__ void mma_regs_rows(float (&acc)[kMT][kDT][4], const u
         T::mma(acc[mt][dt + 1], a[mt][kk], b[2], b[3]);
       }
     }
+}
+
+// acc[mt][dt] += sum_k A[m][k] B[k][n] with both in shared memory: A stored [m][k] with stride
+// kLdA (a_addr as for mma_rows_rows' A), B stored [k][n] with stride kLdB, read transposed (b_addr
+// as for mma_regs_rows).
+template <int kMT, int kDT, int kKSteps, int kLdA, int kLdB, typename T>
+__device__ __forceinline__ void mma_smem_rows(float (&acc)[kMT][kDT][4], u32 a_addr, u32 b_addr) {
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    u32 a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], a_addr + (mt * 16 * kLdA + kk * 16) * 2);
+#pragma unroll
+    for (int dt = 0; dt < kDT; dt += 2) {
+      u32 b[4];  // transposed: b0, b1 of n tile dt, then of dt + 1
+      ldmatrix_x4_trans(b, b_addr + (kk * 16 * kLdB + dt * 8) * 2);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        T::mma(acc[mt][dt], a[mt], b[0], b[1]);
+        T::mma(acc[mt][dt + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
 }
 
 }  // namespace omni

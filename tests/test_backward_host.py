@@ -186,18 +186,31 @@ def test_backward_warps_split_kv_rows():
     (64, BwdTile(32, 128, 8), 2), (64, BwdTile(64, 32, 2), 2),
     (64, BwdTile(16, 32, 2), 1),   # q parts of 8 columns: not a k16 step
     (64, BwdTile(64, 128, 4), 1),  # 32 kv rows per warp already: two q parts would need 64
-    (96, BwdTile(64, 128, 8), 1), (128, BwdTile(64, 128, 8), 1), (256, BwdTile(32, 64, 4), 1),
+    (96, BwdTile(64, 128, 8), 1), (128, BwdTile(64, 128, 8), 2), (128, BwdTile(16, 32, 2), 1),
+    (256, BwdTile(32, 64, 4), 1),
 ])
 def test_q_parts_where_registers_allow(head_dim, tile, parts):
     # kernels/bwd_kv_tile.cuh kQSplit: two q parts need dK and dV of two m16 tiles per warp in registers
     variant = tiles.backward_variant(tile, head_dim, "fp16", False, False)
-    assert variant.q_split == parts
-    assert f"kQSplit = {parts};" in jit.render.render_source(variant)
+    assert variant.q_split == parts and variant.column_parts == (parts == 2 and head_dim == 128)
+    source = jit.render.render_source(variant)
+    assert f"kQSplit = {parts};" in source and f"kColumnParts = {str(variant.column_parts).lower()};" in source
 
 
 def test_q_parts_are_the_sync_kernels_only():
     variant = tiles.backward_variant(tiles.WGMMA_BACKWARD_TILES[64], 64, "fp16", False, False, family="wgmma")
     assert variant.q_split == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("feature", [dict(bias="fp16"), dict(score_expr=score_mods.alibi(2).cuda.key, score_grad="1.0f")])
+def test_no_q_parts_with_transformed_scores(head_dim, feature):
+    plain = tiles.backward_variant(tiles.BwdTile(64, 128, 8), head_dim, "fp16", False, False)
+    featured = tiles.backward_variant(tiles.BwdTile(64, 128, 8), head_dim, "fp16", False, False, **feature)
+    assert (plain.q_split, featured.q_split) == (2, 1)
+    assert (plain.column_parts, featured.column_parts) == (head_dim == 128, False)
+    # column parts keep Pᵀ in shared memory beside dSᵀ
+    assert featured.smem_bytes < plain.smem_bytes if head_dim == 128 else featured.smem_bytes == plain.smem_bytes
 
 
 # ---------------------------------------------------------------- compiles

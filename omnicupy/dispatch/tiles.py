@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 from ..errors import ArgumentError, VariantError
 from ..jit import env
 from .arch import has_wgmma
-from .variant import SUPPORTED_HEAD_DIMS, Variant, check_head_dim, tile_head_dim
+from .variant import SUPPORTED_HEAD_DIMS, Variant, bwd_dq_row_warps, check_head_dim, tile_head_dim
 
 
 @dataclass(frozen=True)
@@ -325,10 +325,8 @@ class BwdTile:
     def fits(self, head_dim: int) -> bool:
         """The kernel's static rules (kernels/bwd_kv_tile.cuh Shape): whole m16 tiles of kv rows per
         warp, and dQ columns per warp in whole n16 pairs."""
-        d_out = min(head_dim, 128)
-        row_warps = min(self.warps, self.br // 16)
         return (self.bc % (16 * self.warps) == 0 and self.bc % 32 == 0 and self.br % 16 == 0
-                and self.warps % row_warps == 0 and (d_out // (self.warps // row_warps)) % 16 == 0)
+                and bwd_dq_row_warps(self.warps, self.br, min(head_dim, 128)) > 0)
 
 
 #: head_dim -> backward tile. D = 64 and 128 measured on the lent H200 (benchmarks/tune_backward.py,

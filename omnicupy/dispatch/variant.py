@@ -105,13 +105,39 @@ BWD_ROW_WARPS = 8
 BWD_BOUND_ROWS = 256
 
 
-def bwd_q_split(head_dim: int, br: int, bc: int, warps: int) -> int:
+def bwd_q_split(head_dim: int, br: int, bc: int, warps: int, transformed: bool = False) -> int:
     """q parts of the mma.sync backward (kernels/bwd_kv_tile.cuh kQSplit): 2 where each warp can own
     two m16 tiles of kv rows for half of each q tile's columns, which halves the Q and dO fragments
-    it reads from shared memory per product. That needs dK and dV for the two tiles in registers
-    (head dims up to 64) and a tile that splits evenly (k16 steps of q columns per part); else 1.
-    Measured on the H200: NOTES.md §40."""
-    return 2 if head_dim <= 64 and br % 32 == 0 and warps % 2 == 0 and 2 * bc == 32 * warps else 1
+    it reads from shared memory for Sᵀ and dPᵀ. The tile must split evenly (k16 steps of q columns per
+    part, 32 kv rows per warp); the warp's dK and dV must fit its registers: whole up to D = 64 (the
+    parts' sums meet in the epilogue), half of their columns at D = 128 (bwd_column_parts). Not with
+    ``transformed`` scores (a bias or score modifier): their per-score registers made the split
+    kernels spill or run 2-15 % slower. Else 1. Measured on the H200: NOTES.md §40."""
+    even = br % 32 == 0 and warps % 2 == 0 and 2 * bc == 32 * warps
+    return 2 if even and not transformed and (head_dim <= 64 or head_dim == 128) else 1
+
+
+def bwd_dq_row_warps(warps: int, br: int, d_out: int) -> int:
+    """Warps along the q rows of the mma.sync backward's dQ = dS K (kernels/bwd_kv_tile.cuh
+    kDqRowWarps; the others split its ``d_out`` columns in whole n16 pairs): as many as divide the
+    warps and the q tile's m16 tiles (one m16 tile per warp where they can), except at 128 columns
+    on 8 warps, where a warp reading (rows + columns) x bc elements of dSᵀ and K reads least on the
+    squarest split (32 x 32 on BwdTile(64, 128, 8): 2-3 % faster on the H200, NOTES.md §40; at
+    D = 64 the same rule measured a tie, and on 4 warps it made the D = 256 tile spill). 0 if no
+    split divides (BwdTile.fits rejects the tile)."""
+    valid = [r for r in (1, 2, 4, 8, 16) if r <= warps and warps % r == 0 and (br // 16) % r == 0
+             and (d_out // (warps // r)) % 16 == 0]
+    if d_out == 128 and warps == 8:  # accumulators of at most 32 floats a lane (m16 tiles x at most 64 columns)
+        small = [r for r in valid if (br // r // 16) * min(d_out * r // warps, 64) // 8 * 4 <= 32]
+        if small:
+            return min(small, key=lambda r: (br // r + d_out * r // warps, -r))
+    return max(valid, default=0)
+
+
+def bwd_column_parts(head_dim: int, q_split: int) -> bool:
+    """Whether the q parts split dK and dV's columns (kernels/bwd_kv_tile.cuh kColumnParts; Pᵀ and dSᵀ
+    then go through shared memory) rather than summing dK and dV over q (head dims up to 64)."""
+    return q_split == 2 and head_dim > 64
 
 
 def row_kernel_rows(head_dim: int) -> int:
@@ -342,7 +368,8 @@ class Variant:
         to align the tiles. tma: the same plus the ring's mbarriers.
 
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
-        Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows);
+        Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows), with
+        column parts Pᵀ too;
         backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack and per
         stage a PARTIAL q tile's bits over the kv tile (bc / 8 bytes per q row) and its rows'
         fixed-point units (fp32, read by the deterministic entry only)."""
@@ -359,7 +386,8 @@ class Variant:
                     + self.stages * self.br * 4)  # the q rows' fixed-point units (deterministic=True)
         if self.operation == "backward":
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
-            return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + self.bc * (self.br + SMEM_PAD_ELEMS) * 2
+            transposed = self.bc * (self.br + SMEM_PAD_ELEMS) * 2  # dSᵀ, and Pᵀ with column parts
+            return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + (2 if self.column_parts else 1) * transposed
                     + 2 * self.stages * self.br * 4)
         if self.family == "wgmma":
             return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2
@@ -397,7 +425,18 @@ class Variant:
         """backward (mma.sync): q parts of its q tiles (bwd_q_split); 1 for every other kernel."""
         if self.operation != "backward" or self.family != "sync":
             return 1
-        return bwd_q_split(self.head_dim, self.br, self.bc, self.warps)
+        transformed = self.bias is not None or self.score_expr is not None
+        return bwd_q_split(self.head_dim, self.br, self.bc, self.warps, transformed)
+
+    @property
+    def dq_row_warps(self) -> int:
+        """backward (mma.sync): warps along dQ's q rows (bwd_dq_row_warps)."""
+        return bwd_dq_row_warps(self.warps, self.br, min(self.head_dim, 128))
+
+    @property
+    def column_parts(self) -> bool:
+        """backward (mma.sync): whether its q parts split dK and dV's columns (bwd_column_parts)."""
+        return self.operation == "backward" and self.family == "sync" and bwd_column_parts(self.head_dim, self.q_split)
 
     @property
     def row_kernel_rows(self) -> int:
@@ -422,6 +461,8 @@ class Variant:
         if self.operation == "backward":  # the row kernels' grid, checked against RowShape in the kernel
             values["row_rows"] = self.row_kernel_rows
             values["q_split"] = self.q_split
+            values["column_parts"] = self.column_parts
+            values["dq_row_warps"] = self.dq_row_warps
             values["bound_rows"] = BWD_BOUND_ROWS
         return values
 
