@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--masks", default="full,causal")
-    ap.add_argument("--tiles", default="", help="comma list of br:bc:warps[:stages]; default: the tuned tile")
+    ap.add_argument("--tiles", default="", help="comma list of br:bc:warps[:stages[:parts]]; default: the tuned tile")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)

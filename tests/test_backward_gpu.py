@@ -134,7 +134,7 @@ def test_zoo_masks(factory):
 
 
 @pytest.mark.parametrize("qbs,kbs", [(64, 64), (128, 256), (256, 128), (16, 32), (64, 512), (48, 96)])
-@pytest.mark.parametrize("head_dim", [64, 128])  # 64: the fallback tiles with and without q parts (bwd_q_split)
+@pytest.mark.parametrize("head_dim", [64, 128])  # the fallback tiles below the two-part tuned tiles
 def test_block_sizes(qbs, kbs, head_dim):
     seed = new_seed()
     rng = np.random.default_rng(seed)

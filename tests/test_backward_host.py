@@ -11,7 +11,7 @@ from omnicupy import BlockMask, BlockType, arrays, jit, score_mods
 from omnicupy.dispatch import tiles
 from omnicupy.dispatch.tiles import BwdTile
 from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS, Variant
-from omnicupy.errors import ArgumentError, MaskError, NoGPUError
+from omnicupy.errors import ArgumentError, MaskError, NoGPUError, VariantError
 from omnicupy.jit.cache import DiskCache
 from omnicupy.mask import cdiv
 from omnicupy.ops.backward_index import ranks, transpose
@@ -181,36 +181,51 @@ def test_backward_warps_split_kv_rows():
     Variant(64, "fp16", 16, 64, 4, 2, operation="backward")  # q tiles of 16 rows are fine
 
 
-@pytest.mark.parametrize("head_dim,tile,parts", [
-    (64, BwdTile(64, 128, 8), 2), (32, BwdTile(64, 128, 8), 2), (64, BwdTile(64, 64, 4), 2),
-    (64, BwdTile(32, 128, 8), 2), (64, BwdTile(64, 32, 2), 2),
-    (64, BwdTile(16, 32, 2), 1),   # q parts of 8 columns: not a k16 step
-    (64, BwdTile(64, 128, 4), 1),  # 32 kv rows per warp already: two q parts would need 64
-    (96, BwdTile(64, 128, 8), 1), (128, BwdTile(64, 128, 8), 2), (128, BwdTile(16, 32, 2), 1),
-    (256, BwdTile(32, 64, 4), 1),
+@pytest.mark.parametrize("head_dim,tile,problem", [
+    (64, BwdTile(64, 128, 8, parts=2), None), (32, BwdTile(64, 128, 8, parts=2), None),
+    (64, BwdTile(64, 64, 4, parts=2), None), (64, BwdTile(32, 128, 8, parts=2), None),
+    (128, BwdTile(64, 128, 8, parts=2), None), (128, BwdTile(32, 32, 2, parts=2), None),
+    (64, BwdTile(16, 32, 2, parts=2), "br a multiple of 32"),  # q parts of 8 columns: not a k16 step
+    (64, BwdTile(64, 128, 4, parts=2), "32 kv rows per warp"),  # 32 kv rows per warp already
+    (96, BwdTile(64, 128, 8, parts=2), "up to 64 or 128"), (256, BwdTile(32, 64, 4, parts=2), "up to 64 or 128"),
+    (64, BwdTile(64, 128, 8, parts=3), "one or two"),
 ])
-def test_q_parts_where_registers_allow(head_dim, tile, parts):
-    # kernels/bwd_kv_tile.cuh kQSplit: two q parts need dK and dV of two m16 tiles per warp in registers
+def test_q_parts_where_registers_allow(head_dim, tile, problem):
+    # kernels/bwd_kv_tile.cuh kQSplit: two q parts need dK and dV of two m16 tiles per warp in
+    # registers (whole at D <= 64, by halves of the columns at 128) and an even split of the tile
+    assert tile.fits(head_dim) == (problem is None)
+    if problem:
+        with pytest.raises(VariantError, match=problem):
+            tiles.backward_variant(tile, head_dim, "fp16", False, False)
+        return
     variant = tiles.backward_variant(tile, head_dim, "fp16", False, False)
-    assert variant.q_split == parts and variant.column_parts == (parts == 2 and head_dim == 128)
+    assert variant.parts == 2 and variant.name.endswith("_qp2") and variant.column_parts == (head_dim == 128)
     source = jit.render.render_source(variant)
-    assert f"kQSplit = {parts};" in source and f"kColumnParts = {str(variant.column_parts).lower()};" in source
+    assert "kQSplit = 2;" in source and f"kColumnParts = {str(variant.column_parts).lower()};" in source
 
 
-def test_q_parts_are_the_sync_kernels_only():
-    variant = tiles.backward_variant(tiles.WGMMA_BACKWARD_TILES[64], 64, "fp16", False, False, family="wgmma")
-    assert variant.q_split == 1
+def test_q_parts_are_the_sync_backward_only():
+    with pytest.raises(VariantError, match="mma.sync backward option"):
+        Variant(64, "fp16", 64, 64, 4, 2, operation="backward", family="wgmma", parts=2)
+    with pytest.raises(VariantError, match="mma.sync backward option"):
+        Variant(64, "fp16", 64, 64, 4, 2, parts=2)
+
+
+@pytest.mark.parametrize("head_dim,arch,parts", [(64, "sm_90", 2), (128, "sm_90", 2), (64, "sm_80", 2), (128, "sm_80", 1),
+                                                  (64, "sm_86", 2)])
+def test_tuned_tile_keeps_its_rows_where_two_parts_do_not_fit(head_dim, arch, parts):
+    # the two-part D = 128 tile keeps Pᵀ in shared memory too (173 KB): on sm_80 the same tile runs with one part
+    variant = tiles.select_backward_variant(head_dim, "fp16", 128, 128, True, False, arch=arch, family="sync")
+    assert (variant.br, variant.bc, variant.warps, variant.parts) == (64, 128, 8, parts)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("feature", [dict(bias="fp16"), dict(score_expr=score_mods.alibi(2).cuda.key, score_grad="1.0f")])
-def test_no_q_parts_with_transformed_scores(head_dim, feature):
-    plain = tiles.backward_variant(tiles.BwdTile(64, 128, 8), head_dim, "fp16", False, False)
-    featured = tiles.backward_variant(tiles.BwdTile(64, 128, 8), head_dim, "fp16", False, False, **feature)
-    assert (plain.q_split, featured.q_split) == (2, 1)
-    assert (plain.column_parts, featured.column_parts) == (head_dim == 128, False)
-    # column parts keep Pᵀ in shared memory beside dSᵀ
-    assert featured.smem_bytes < plain.smem_bytes if head_dim == 128 else featured.smem_bytes == plain.smem_bytes
+def test_one_q_part_with_transformed_scores(head_dim, feature):
+    # a bias or score modifier's registers made the two-part kernels spill or run slower (NOTES.md §40)
+    variant = tiles.select_backward_variant(head_dim, "fp16", 128, 128, False, False, arch="sm_90", family="sync",
+                                            **feature)
+    assert variant.parts == 1 and not variant.column_parts
 
 
 # ---------------------------------------------------------------- compiles

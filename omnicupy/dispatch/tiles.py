@@ -16,7 +16,7 @@ from typing import Iterator, Mapping, Optional
 from ..errors import ArgumentError, VariantError
 from ..jit import env
 from .arch import has_wgmma
-from .variant import SUPPORTED_HEAD_DIMS, Variant, bwd_dq_row_warps, check_head_dim, tile_head_dim
+from .variant import SUPPORTED_HEAD_DIMS, Variant, bwd_dq_row_warps, bwd_parts_error, check_head_dim, tile_head_dim
 
 
 @dataclass(frozen=True)
@@ -315,35 +315,42 @@ _TABLES = {"sync": TUNED, "wgmma": WGMMA_TUNED, "tma": TMA_TUNED}
 @dataclass(frozen=True)
 class BwdTile:
     """A backward tile: ``br`` q rows per walked q tile, ``bc`` kv rows per CTA split among ``warps``
-    warps, ``stages`` Q/dO buffers (2: the next q tile prefetched)."""
+    warps, ``stages`` Q/dO buffers (2: the next q tile prefetched), ``parts`` q parts (mma.sync:
+    Variant.parts)."""
 
     br: int
     bc: int
     warps: int
     stages: int = 2
+    parts: int = 1
 
     def fits(self, head_dim: int) -> bool:
         """The kernel's static rules (kernels/bwd_kv_tile.cuh Shape): whole m16 tiles of kv rows per
         warp, and dQ columns per warp in whole n16 pairs."""
         return (self.bc % (16 * self.warps) == 0 and self.bc % 32 == 0 and self.br % 16 == 0
-                and bwd_dq_row_warps(self.warps, self.br, min(head_dim, 128)) > 0)
+                and bwd_dq_row_warps(self.warps, self.br, min(head_dim, 128)) > 0
+                and bwd_parts_error(head_dim, self.br, self.bc, self.warps, self.parts) is None)
 
 
 #: head_dim -> backward tile. D = 64 and 128 measured on the lent H200 (benchmarks/tune_backward.py,
 #: N = 8192, full and causal): 128 kv rows per CTA on 8 warps beat 64 on 4 by 1.3-1.6x (half the
-#: dQ atomics per q tile). 32 and 96 follow 64 and 128 untimed; D = 256 runs as two column passes
-#: of 128 with the smaller tile its registers allow.
+#: dQ atomics per q tile), and two q parts beat one by 1.07-1.14x (NOTES.md §40). 32 and 96 follow
+#: 64 and 128 untimed (with one part); D = 256 runs as two column passes of 128 with the smaller
+#: tile its registers allow.
 BACKWARD_TILES: dict[int, BwdTile] = {
-    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 128, 8), 128: BwdTile(64, 128, 8),
-    256: BwdTile(32, 64, 4),
+    32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8, parts=2), 96: BwdTile(64, 128, 8),
+    128: BwdTile(64, 128, 8, parts=2), 256: BwdTile(32, 64, 4),
 }
-#: With a bias or score modifier (more registers per score: 32-row q tiles).
+#: With a bias or score modifier (more registers per score: 32-row q tiles at D = 128; one q part,
+#: as two spilled or ran 7-15 % slower with them, NOTES.md §40).
 BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
     32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 128, 8), 128: BwdTile(32, 128, 8),
     256: BwdTile(32, 64, 4),
 }
-#: For block sizes the tuned tile does not divide, or shared memory it does not fit; most preferred first.
-BACKWARD_FALLBACKS = (BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4), BwdTile(64, 32, 2), BwdTile(32, 32, 2),
+#: For block sizes the tuned tile does not divide, or shared memory it does not fit (the two-part
+#: D = 128 tile keeps Pᵀ in shared memory too: 173 KB, over sm_80's and sm_86's limits); most
+#: preferred first.
+BACKWARD_FALLBACKS = (BwdTile(64, 128, 8), BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4), BwdTile(64, 32, 2), BwdTile(32, 32, 2),
                       BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1), BwdTile(16, 32, 2, stages=1))
 
 #: The wgmma backward (sm_90a): head_dim -> tile, q tiles of 64 rows. D = 64: one consumer
@@ -367,7 +374,7 @@ def backward_variant(tile: BwdTile, head_dim: int, dtype: str, causal: bool, par
     """``head_dim``: the tile's (BACKWARD_TILES' key); ``head_dim_valid``: the caller's when smaller."""
     return Variant(head_dim, dtype, tile.br, tile.bc, tile.warps, tile.stages, causal, partial, bias, mask_expr,
                    score_expr, operation="backward", score_grad=score_grad, head_dim_valid=head_dim_valid,
-                   family=family)
+                   family=family, parts=tile.parts)
 
 
 def backward_family(head_dim: int, arch: Optional[str]) -> str:

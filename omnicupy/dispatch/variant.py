@@ -105,16 +105,20 @@ BWD_ROW_WARPS = 8
 BWD_BOUND_ROWS = 256
 
 
-def bwd_q_split(head_dim: int, br: int, bc: int, warps: int, transformed: bool = False) -> int:
-    """q parts of the mma.sync backward (kernels/bwd_kv_tile.cuh kQSplit): 2 where each warp can own
-    two m16 tiles of kv rows for half of each q tile's columns, which halves the Q and dO fragments
-    it reads from shared memory for Sᵀ and dPᵀ. The tile must split evenly (k16 steps of q columns per
-    part, 32 kv rows per warp); the warp's dK and dV must fit its registers: whole up to D = 64 (the
-    parts' sums meet in the epilogue), half of their columns at D = 128 (bwd_column_parts). Not with
-    ``transformed`` scores (a bias or score modifier): their per-score registers made the split
-    kernels spill or run 2-15 % slower. Else 1. Measured on the H200: NOTES.md §40."""
-    even = br % 32 == 0 and warps % 2 == 0 and 2 * bc == 32 * warps
-    return 2 if even and not transformed and (head_dim <= 64 or head_dim == 128) else 1
+def bwd_parts_error(head_dim: int, br: int, bc: int, warps: int, parts: int) -> Optional[str]:
+    """Why the mma.sync backward cannot run ``parts`` q parts on this tile (kernels/bwd_kv_tile.cuh
+    kQSplit), or None. Two parts: each warp owns 32 kv rows (two m16 tiles) for half of each q
+    tile's columns, whole k16 steps of them; its dK and dV fit its registers whole up to D = 64 (the
+    parts' sums meet in the epilogue) and by halves of their columns at D = 128 (bwd_column_parts)."""
+    if parts == 1:
+        return None
+    if parts != 2:
+        return f"parts={parts}: one or two q parts"
+    if not (br % 32 == 0 and warps % 2 == 0 and 2 * bc == 32 * warps):
+        return f"two q parts need br a multiple of 32 and bc = 16 * warps (32 kv rows per warp), got br={br}, bc={bc}, warps={warps}"
+    if not (head_dim <= 64 or head_dim == 128):
+        return f"two q parts: head_dim up to 64 or 128 (dK and dV in registers), got {head_dim}"
+    return None
 
 
 def bwd_dq_row_warps(warps: int, br: int, d_out: int) -> int:
@@ -134,10 +138,10 @@ def bwd_dq_row_warps(warps: int, br: int, d_out: int) -> int:
     return max(valid, default=0)
 
 
-def bwd_column_parts(head_dim: int, q_split: int) -> bool:
+def bwd_column_parts(head_dim: int, parts: int) -> bool:
     """Whether the q parts split dK and dV's columns (kernels/bwd_kv_tile.cuh kColumnParts; Pᵀ and dSᵀ
     then go through shared memory) rather than summing dK and dV over q (head dims up to 64)."""
-    return q_split == 2 and head_dim > 64
+    return parts == 2 and head_dim > 64
 
 
 def row_kernel_rows(head_dim: int) -> int:
@@ -191,6 +195,9 @@ class Variant:
     #: The caller's head dim when it is smaller than the tile's ``head_dim`` (a padded variant:
     #: loads zero-fill the 16-byte chunks past it, stores skip them); None when they are equal.
     head_dim_valid: Optional[int] = None
+    #: backward (mma.sync) only: q parts of each q tile (kernels/bwd_kv_tile.cuh kQSplit; 2: two
+    #: sets of warps take half of its columns each, bwd_parts_error, NOTES.md §40).
+    parts: int = 1
 
     def __post_init__(self) -> None:
         if self.head_dim_valid == self.head_dim:  # one key, one name, one kernel per tile
@@ -233,6 +240,11 @@ class Variant:
             raise VariantError("pingpong is a tma option that needs overlap and two consumer warpgroups (br=128)")
         if self.poly_exp < 0 or (self.poly_exp and (self.bc // 8) % self.poly_exp):
             raise VariantError(f"poly_exp={self.poly_exp} must be 0 or divide the bc/8 = {self.bc // 8} n8 tiles")
+        if self.parts != 1 and (self.operation, self.family) != ("backward", "sync"):
+            raise VariantError(f"parts={self.parts}: q parts are an mma.sync backward option")
+        problem = bwd_parts_error(self.head_dim, self.br, self.bc, self.warps, self.parts)
+        if problem:
+            raise VariantError(problem)
         if self.family == "wgmma" and self.operation == "backward":
             self._check_wgmma_backward()
         elif self.family == "wgmma":
@@ -307,6 +319,8 @@ class Variant:
             family = "_tma" + ("o" if self.overlap else "") + ("p" if self.pingpong else "")
         if self.poly_exp:
             family += f"_pe{self.poly_exp}"
+        if self.parts != 1:
+            family += f"_qp{self.parts}"
         # a padded variant: hd<caller's D>p<tile>, so that D = 40 and D = 64 never share a name
         hd = f"{self.head_dim}" if self.head_dim_valid is None else f"{self.head_dim_valid}p{self.head_dim}"
         return (
@@ -421,14 +435,6 @@ class Variant:
         return (self.family not in HOPPER_FAMILIES or has_wgmma(arch)) and self.smem_bytes <= smem_limit(arch)
 
     @property
-    def q_split(self) -> int:
-        """backward (mma.sync): q parts of its q tiles (bwd_q_split); 1 for every other kernel."""
-        if self.operation != "backward" or self.family != "sync":
-            return 1
-        transformed = self.bias is not None or self.score_expr is not None
-        return bwd_q_split(self.head_dim, self.br, self.bc, self.warps, transformed)
-
-    @property
     def dq_row_warps(self) -> int:
         """backward (mma.sync): warps along dQ's q rows (bwd_dq_row_warps)."""
         return bwd_dq_row_warps(self.warps, self.br, min(self.head_dim, 128))
@@ -436,7 +442,7 @@ class Variant:
     @property
     def column_parts(self) -> bool:
         """backward (mma.sync): whether its q parts split dK and dV's columns (bwd_column_parts)."""
-        return self.operation == "backward" and self.family == "sync" and bwd_column_parts(self.head_dim, self.q_split)
+        return self.operation == "backward" and self.family == "sync" and bwd_column_parts(self.head_dim, self.parts)
 
     @property
     def row_kernel_rows(self) -> int:
@@ -460,7 +466,6 @@ class Variant:
         values["staging_swizzled"] = self.staging_swizzled
         if self.operation == "backward":  # the row kernels' grid, checked against RowShape in the kernel
             values["row_rows"] = self.row_kernel_rows
-            values["q_split"] = self.q_split
             values["column_parts"] = self.column_parts
             values["dq_row_warps"] = self.dq_row_warps
             values["bound_rows"] = BWD_BOUND_ROWS

@@ -1,12 +1,13 @@
 """One mma.sync backward and one SDPA flash (FA2) backward on the same inputs, for ncu (GPU, torch).
 
-    ncu --clock-control none -k "regex:omni_bwd_fp16_hd128_br64_bc128_w8_st2$|flash_bwd_dq_dk_dv" -c 2 \\
+    ncu --clock-control none -k "regex:omni_bwd_fp16_hd128_br64_bc128_w8_st2_qp2$|flash_bwd_dq_dk_dv" -c 2 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv --page details \\
         python3 tools/dev/prof_bwd_sync.py 128
 
 fp16, B 2, H 16, N 8192, full mask, head dim from argv (64 or 128). NOTES.md §39 and
-benchmarks/results/ncu_bwd_sync_vs_fa2_h200.txt read its profile.
+benchmarks/results/ncu_bwd_sync_vs_fa2_h200.txt read its profile; NOTES.md §40 and
+benchmarks/results/ncu_bwd_sync_vs_fa2_h200_2107.txt the two-part kernels' (kernel names ending in _qp2).
 """
 import os
 import sys
