@@ -15,17 +15,18 @@
 //   dQ += dS K                 fp32 atomics into a workspace, optionally in a fixed order
 //
 // dK and dV stay in registers across the whole walk (the GQA group included), so they need no
-// atomics; each warp owns kWarpRows kv rows of them. With kQSplit = 2 the warps form two q parts:
-// the warps of part h compute Sᵀ, dPᵀ and their dV, dK terms for q columns h kBr/2 .. of each q
-// tile over kv rows twice as many per warp (the Q and dO fragments each warp reads from shared
-// memory then serve two m16 tiles: a quarter less shared-memory traffic per q tile at D = 64,
-// NOTES.md §40), and the parts' dK and dV partial sums meet once, in the epilogue. At D = 128 the
-// dK and dV of 32 rows do not fit a warp's registers: there (kColumnParts) the parts split dK and
-// dV's columns instead, and both read Pᵀ and dSᵀ of the whole q tile back from shared memory. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8
-// accumulator layout (lane l: rows l/4 and l/4 + 8, columns 2(l%4) and 2(l%4) + 1 of each 16x8
-// tile; rows are kv positions here, columns q positions), Pᵀ and dSᵀ feed dV and dK as A
-// fragments straight from registers, and dSᵀ goes through shared memory once for dQ, where the
-// contraction runs over kv rows that belong to different warps.
+// atomics; each warp owns kWarpRows kv rows of them. With kQSplit = 2 (Variant.parts) the warps
+// form two q parts: the warps of part h compute Sᵀ, dPᵀ and their dV, dK terms for q columns
+// h kBr/2 .. of each q tile over twice as many kv rows per warp (the Q and dO fragments each warp
+// reads from shared memory then serve two m16 tiles: a quarter less shared-memory traffic per q
+// tile at D = 64, NOTES.md §40), and the parts' dK and dV partial sums meet once, in the epilogue.
+// At D = 128 the dK and dV of 32 rows do not fit a warp's registers: there (kColumnParts) the parts
+// split dK and dV's columns instead, and both read Pᵀ and dSᵀ of the whole q tile back from shared
+// memory. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8 accumulator layout (lane l: rows l/4 and l/4 + 8,
+// columns 2(l%4) and 2(l%4) + 1 of each 16x8 tile; rows are kv positions here, columns q
+// positions), Pᵀ and dSᵀ feed dV and dK as A fragments straight from registers (but with column
+// parts), and dSᵀ goes through shared memory once for dQ, where the contraction runs over kv rows
+// that belong to different warps.
 //
 // Plain CUDA, templated on
 //   C  the configuration (kHeadDim, kHeadDimValid, kDOut, kBr, kBc, kWarps, kStages, kHasCausal, kHasPartial,
@@ -60,8 +61,8 @@ struct Shape {
   static constexpr int kLd = C::kHeadDim + 8;            // smem row stride: +16 bytes, conflict-free ldmatrix
   static constexpr int kLdS = C::kBr + 8;                // dSᵀ row stride
   static constexpr int kChunks = C::kHeadDim / 8;        // 16-byte chunks per row
-  // dQ = dS K: the warps split the q tile's m16 tiles and the columns (dispatch/variant.py
-  // bwd_dq_row_warps: as square a split as divides, for the least dSᵀ and K read per warp).
+  // dQ = dS K: the warps split the q tile's m16 tiles and the columns (rendered from
+  // dispatch/variant.py bwd_dq_row_warps).
   static constexpr int kDqRowWarps = C::kDqRowWarps;
   static constexpr int kDqColWarps = C::kWarps / kDqRowWarps;
   static constexpr int kDqMTiles = C::kBr / 16 / kDqRowWarps;
@@ -96,7 +97,7 @@ __device__ __forceinline__ void load_rows_async(u16* smem, const u16* gmem, i64 
   }
 }
 
-// Tile products (mma_rows_rows, mma_regs_rows, pack_a, zero): kernels/mma_tiles.cuh.
+// Tile products (mma_rows_rows, mma_regs_rows, mma_smem_rows, pack_a, zero): kernels/mma_tiles.cuh.
 
 // kQSplit = 2: the accumulators of q part 1's warps added into those of part 0's warps with the
 // same kv rows, through `exchange` (shared, kKvWarps * kMT * kDT * 128 floats, free to overwrite).
