@@ -211,8 +211,8 @@ def test_q_parts_are_the_sync_backward_only():
         Variant(64, "fp16", 64, 64, 4, 2, parts=2)
 
 
-@pytest.mark.parametrize("head_dim,arch,parts", [(64, "sm_90", 2), (128, "sm_90", 2), (64, "sm_80", 2), (128, "sm_80", 1),
-                                                  (64, "sm_86", 2)])
+@pytest.mark.parametrize("head_dim,arch,parts", [(64, "sm_90", 2), (128, "sm_90", 2), (64, "sm_80", 2),
+                                                  (128, "sm_80", 1), (64, "sm_86", 2)])
 def test_tuned_tile_keeps_its_rows_where_two_parts_do_not_fit(head_dim, arch, parts):
     # the two-part D = 128 tile keeps Pᵀ in shared memory too (173 KB): on sm_80 the same tile runs with one part
     variant = tiles.select_backward_variant(head_dim, "fp16", 128, 128, True, False, arch=arch, family="sync")

@@ -350,8 +350,9 @@ BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
 #: For block sizes the tuned tile does not divide, or shared memory it does not fit (the two-part
 #: D = 128 tile keeps Pᵀ in shared memory too: 173 KB, over sm_80's and sm_86's limits); most
 #: preferred first.
-BACKWARD_FALLBACKS = (BwdTile(64, 128, 8), BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4), BwdTile(64, 32, 2), BwdTile(32, 32, 2),
-                      BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1), BwdTile(16, 32, 2, stages=1))
+BACKWARD_FALLBACKS = (BwdTile(64, 128, 8), BwdTile(32, 128, 8), BwdTile(64, 64, 4), BwdTile(32, 64, 4),
+                      BwdTile(64, 32, 2), BwdTile(32, 32, 2), BwdTile(16, 32, 2), BwdTile(32, 32, 2, stages=1),
+                      BwdTile(16, 32, 2, stages=1))
 
 #: The wgmma backward (sm_90a): head_dim -> tile, q tiles of 64 rows. D = 64: one consumer
 #: warpgroup owning 64 kv rows (kernels/bwd_wgmma.cuh), three CTAs per SM. D = 128: the

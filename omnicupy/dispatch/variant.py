@@ -115,7 +115,8 @@ def bwd_parts_error(head_dim: int, br: int, bc: int, warps: int, parts: int) -> 
     if parts != 2:
         return f"parts={parts}: one or two q parts"
     if not (br % 32 == 0 and warps % 2 == 0 and 2 * bc == 32 * warps):
-        return f"two q parts need br a multiple of 32 and bc = 16 * warps (32 kv rows per warp), got br={br}, bc={bc}, warps={warps}"
+        return (f"two q parts need br a multiple of 32 and bc = 16 * warps (32 kv rows per warp), "
+                f"got br={br}, bc={bc}, warps={warps}")
     if not (head_dim <= 64 or head_dim == 128):
         return f"two q parts: head_dim up to 64 or 128 (dK and dV in registers), got {head_dim}"
     return None
