@@ -281,6 +281,24 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     }
     __syncthreads();  // dSᵀ (and Pᵀ) complete
 
+    // ---- with q parts, dV += Pᵀ dO and dK += dSᵀ Q run after dQ's MMAs (column parts read the
+    // other part's Pᵀ and dSᵀ, complete only after the barrier). The reductions read their registers
+    // late, when the LSU takes them, and a product issued after them waits for that wherever its
+    // fragments reuse those registers; with column parts the products go before the reductions
+    // (+3-7 % at D = 128); at D = 64 after them (before, their register fragments spilled 56-84
+    // bytes for -1..+4 %), where they run while the reductions drain (NOTES.md §40). ----
+    const auto dkv_products = [&]() {
+      if (C::kColumnParts) {
+        u32 p_rows = p_rows0, ds_rows = ds_rows0;
+        asm volatile("" : "+r"(p_rows), "+r"(ds_rows));
+        mma_smem_rows<kMT, S::kOutTiles, S::kTileQSteps, kLdS, kLd, T>(acc_dv, p_rows, do_bk + buf_off);
+        mma_smem_rows<kMT, S::kOutTiles, S::kTileQSteps, kLdS, kLd, T>(acc_dk, ds_rows, q_bk + buf_off);
+      } else {
+        mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
+        mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
+      }
+    };
+
     // ---- dQ += dS K (fp32 atomics; in deterministic mode in decreasing kv tile order) ----
     {
       const int wr = warp % S::kDqRowWarps, wc = warp / S::kDqRowWarps;
@@ -311,6 +329,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
             }
           }
         }
+        if (C::kColumnParts && chunk + S::kDqChunk >= S::kDqCols) dkv_products();  // the last reductions next
         if (deterministic && chunk == 0) wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
 #pragma unroll
         for (int mt = 0; mt < S::kDqMTiles; ++mt)
@@ -319,19 +338,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       }
       if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }
-
-    // ---- with q parts, dV += Pᵀ dO, dK += dSᵀ Q after the dQ reductions, which drain while these
-    // MMAs run (at the next q tile's cp.async wait the warp would otherwise wait for them, NOTES.md
-    // §40; column parts read the other part's Pᵀ and dSᵀ, complete only after the barrier) ----
-    if (C::kColumnParts) {
-      u32 p_rows = p_rows0, ds_rows = ds_rows0;
-      asm volatile("" : "+r"(p_rows), "+r"(ds_rows));
-      mma_smem_rows<kMT, S::kOutTiles, S::kTileQSteps, kLdS, kLd, T>(acc_dv, p_rows, do_bk + buf_off);
-      mma_smem_rows<kMT, S::kOutTiles, S::kTileQSteps, kLdS, kLd, T>(acc_dk, ds_rows, q_bk + buf_off);
-    } else if (C::kQSplit > 1) {
-      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dv, a_p, do_bk + buf_off);
-      mma_regs_rows<kMT, S::kOutTiles, S::kQSteps, kLd, T>(acc_dk, a_ds, q_bk + buf_off);
-    }
+    if (C::kQSplit > 1 && !C::kColumnParts) dkv_products();
 
     if (C::kStages == 1) {
       __syncthreads();  // every warp is done with Q, dO and dSᵀ: the next tile may overwrite them
