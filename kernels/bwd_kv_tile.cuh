@@ -322,11 +322,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
           for (int dt = 0; dt < S::kDqChunk / 8; dt += 2) {
             u32 b[4];
             ldmatrix_x4_trans(b, k_bk + (kk * 16 * kLd + col0 + c0 + chunk + dt * 8) * 2);
-#pragma unroll
-            for (int mt = 0; mt < S::kDqMTiles; ++mt) {
-              T::mma(acc_dq[mt][dt], a[mt], b[0], b[1]);
-              T::mma(acc_dq[mt][dt + 1], a[mt], b[2], b[3]);
-            }
+            mma_n16<T>(acc_dq, dt, a, b);
           }
         }
         if (C::kColumnParts && chunk + S::kDqChunk >= S::kDqCols) dkv_products();  // the last reductions next
