@@ -285,8 +285,10 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // other part's Pᵀ and dSᵀ, complete only after the barrier). The reductions read their registers
     // late, when the LSU takes them, and a product issued after them waits for that wherever its
     // fragments reuse those registers; with column parts the products go before the reductions
-    // (+3-7 % at D = 128); at D = 64 after them (before, their register fragments spilled 56-84
-    // bytes for -1..+4 %), where they run while the reductions drain (NOTES.md §40). ----
+    // (+3-7 % at D = 128) but with PARTIAL blocks (-2 %, 356 bytes of spills against 32); at D = 64
+    // after them (before, their register fragments spilled 56-84 bytes for -1..+4 %), where they
+    // run while the reductions drain (NOTES.md §40). ----
+    constexpr bool kProductsFirst = C::kColumnParts && !C::kHasPartial;
     const auto dkv_products = [&]() {
       if (C::kColumnParts) {
         u32 p_rows = p_rows0, ds_rows = ds_rows0;
@@ -325,7 +327,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
             mma_n16<T>(acc_dq, dt, a, b);
           }
         }
-        if (C::kColumnParts && chunk + S::kDqChunk >= S::kDqCols) dkv_products();  // the last reductions next
+        if (kProductsFirst && chunk + S::kDqChunk >= S::kDqCols) dkv_products();  // the last reductions next
         if (deterministic && chunk == 0) wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
 #pragma unroll
         for (int mt = 0; mt < S::kDqMTiles; ++mt)
@@ -334,7 +336,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       }
       if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }
-    if (C::kQSplit > 1 && !C::kColumnParts) dkv_products();
+    if (C::kQSplit > 1 && !kProductsFirst) dkv_products();
 
     if (C::kStages == 1) {
       __syncthreads();  // every warp is done with Q, dO and dSᵀ: the next tile may overwrite them
