@@ -105,23 +105,17 @@ __device__ __forceinline__ void load_rows_async(u16* smem, const u16* gmem, i64 
 template <int kKvWarps, int kMT, int kDT>
 __device__ __forceinline__ void add_q_part(float (&acc)[kMT][kDT][4], float* exchange, int kv_warp, int q_part,
                                            int lane) {
-  float* mine = exchange + kv_warp * (kMT * kDT * 128) + lane;
+  constexpr int kFloats = kMT * kDT * 4;
+  float* mine = exchange + kv_warp * kFloats * 32 + lane;
+  float* flat = &acc[0][0][0];  // (constant indices once unrolled: the accumulators stay in registers)
   if (q_part == 1) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) mine[((mt * kDT + dt) * 4 + i) * 32] = acc[mt][dt][i];
+    for (int e = 0; e < kFloats; ++e) mine[e * 32] = flat[e];
   }
   __syncthreads();
   if (q_part == 0) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][dt][i] += mine[((mt * kDT + dt) * 4 + i) * 32];
+    for (int e = 0; e < kFloats; ++e) flat[e] += mine[e * 32];
   }
   __syncthreads();  // read before the next exchange overwrites it
 }
