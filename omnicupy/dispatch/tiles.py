@@ -423,7 +423,7 @@ def select_backward_variant(head_dim: int, dtype: str, q_block_size: int, kv_blo
     head_dim = tile_head_dim(valid)
     extras = bias is not None or score_expr is not None
     tuned = (BACKWARD_FEATURE_TILES if extras else BACKWARD_TILES)[head_dim]
-    for tile in (tuned, *BACKWARD_FALLBACKS):
+    for tile in dict.fromkeys((tuned, *BACKWARD_FALLBACKS)):  # the tuned tile may be a fallback too
         if not tile.fits(head_dim) or q_block_size % tile.br or kv_block_size % tile.bc:
             continue
         variant = backward_variant(tile, head_dim, dtype, causal, partial, bias, mask_expr, score_expr, score_grad,
