@@ -14,7 +14,7 @@
 //                            mma_tiles.cuh, shared with the decode)
 //   dQ                       the mma.sync kernel's deterministic order: dq_semaphore, load_acquire /
 //                            store_release; its adds and turns: red_add2, add_dq_rows,
-//                            wait_dq_turn, pass_dq_turn (the wgmma kernel stages dQ and adds it
+//                            wait_dq_turn, pass_dq_turn; or in fixed point, add_dq_rows_fixed (the wgmma kernel stages dQ and adds it
 //                            with bulk reductions of its own, kernels/dq_tiles.cuh)
 //   epilogue                 store_dk_dv_rows (dK scaled, dV; padding columns skipped)
 //
@@ -317,6 +317,27 @@ __device__ __forceinline__ void add_dq_rows(const P& p, i64 bh, int q0, int row,
     float* dst = p.dq_accum + (bh * p.q_len + q) * kHeadDim + col + lane_col;
 #pragma unroll
     for (int dt = 0; dt < kTiles; ++dt) red_add2(dst + dt * 8, acc[dt][2 * half], acc[dt][2 * half + 1]);
+  }
+}
+
+// The same rows in int32 fixed point (the mma.sync kernel's deterministic mode, bwd_rows.cuh):
+// round(acc * unit) per element, unit_lo / unit_hi the units of rows `row` and row + 8, added by
+// integer reductions (no vector form for integers: two per pair). cvt.rni saturates, never wraps.
+template <int kHeadDim, int kTiles, class P>
+__device__ __forceinline__ void add_dq_rows_fixed(const P& p, i64 bh, int q0, int row, i64 col,
+                                                  const float (&acc)[kTiles][4], int lane_col, float unit_lo,
+                                                  float unit_hi) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int q = q0 + row + half * 8;
+    if (q >= p.q_len) continue;
+    const float unit = half ? unit_hi : unit_lo;
+    int* dst = reinterpret_cast<int*>(p.dq_accum + (bh * p.q_len + q) * kHeadDim + col + lane_col);
+#pragma unroll
+    for (int dt = 0; dt < kTiles; ++dt) {
+      atomicAdd(dst + dt * 8, __float2int_rn(acc[dt][2 * half] * unit));
+      atomicAdd(dst + dt * 8 + 1, __float2int_rn(acc[dt][2 * half + 1] * unit));
+    }
   }
 }
 

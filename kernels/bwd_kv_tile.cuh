@@ -12,7 +12,8 @@
 //   dPᵀ = V dOᵀ
 //   dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod'     (delta = rowsum(dO ∘ O), bwd_rows.cuh)
 //   dK += dSᵀ Q
-//   dQ += dS K                 fp32 atomics into a workspace, optionally in a fixed order
+//   dQ += dS K                 fp32 atomics into a workspace (deterministic: int32 fixed point,
+//                              or fp32 in a fixed order)
 //
 // dK and dV stay in registers across the whole walk (the GQA group included), so they need no
 // atomics; each warp owns kWarpRows kv rows of them. With kQSplit = 2 (Variant.parts) the warps
@@ -75,7 +76,8 @@ struct Shape {
   static_assert(!C::kColumnParts || (C::kQSplit == 2 && kOutTiles % 2 == 0), "column parts: two q parts, n16 pairs");
   static_assert(kWarpRows % 16 == 0 && kQCols % 16 == 0, "each warp owns whole m16 tiles of kv rows, k16 steps of q");
   static_assert(C::kBc % 32 == 0, "kv tiles cover whole 32-bit words of partial bits");
-  static_assert(C::kBr % 16 == 0 && kThreads >= C::kBr / 2, "q tiles: whole k16 steps; one LSE/delta chunk per thread");
+  static_assert(C::kBr % 16 == 0 && kThreads >= 3 * C::kBr / 4,
+                "q tiles: whole k16 steps; one LSE/delta/unit chunk per thread");
   static_assert(C::kHeadDim % C::kDOut == 0 && kOutTiles % 2 == 0, "column passes split the head dim evenly");
   static_assert(C::kWarps % kDqRowWarps == 0 && (C::kBr / 16) % kDqRowWarps == 0, "dQ warp grid");
   static_assert(kDqCols % 16 == 0 && kDqCols % kDqChunk == 0, "dQ columns per warp: whole n16 pairs");
@@ -121,7 +123,11 @@ __device__ __forceinline__ void add_q_part(float (&acc)[kMT][kDT][4], float* exc
 }
 
 // ================================================================ the kernel body
-template <class C, class F, class P>
+// kFixedPoint: dQ added as int32 fixed point (bwd_rows.cuh), the deterministic mode whose sums do not
+// depend on the order of the adds (an entry of its own, so that the default carries none of it);
+// otherwise fp32 adds, in a fixed kv tile order when p.dq_semaphore is set (score derivatives
+// that may exceed 1, which the fixed point's bound does not cover).
+template <class C, class F, bool kFixedPoint = false, class P>
 __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem_raw) {
   using S = Shape<C>;
   using T = typename C::T;
@@ -136,6 +142,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   u16* sP = sdS + kBc * kLdS;                     // [kBc][kLdS]: Pᵀ of the current q tile (kColumnParts)
   float* sLse = reinterpret_cast<float*>(sP + (C::kColumnParts ? kBc * kLdS : 0));  // [kStages][kBr] LSE, log2 units
   float* sDelta = sLse + C::kStages * kBr;                     // [kStages][kBr] rowsum(dO O)
+  float* sUnit = sDelta + C::kStages * kBr;                    // [kStages][kBr] fixed-point dQ units (kFixedPoint)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // Deterministic dQ adds each q tile's kv tiles in decreasing order (ops/backward_index.py,
@@ -167,7 +174,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
                                                        p.q_sn, t.q0, q_len);
     load_rows_async<kBr, S::kChunks, kLd, S::kThreads, C::kHeadDimValid / 8>(sdO + buf * kBr * kLd, p.dout + batch * p.do_sb + head * p.do_sh,
                                                        p.do_sn, t.q0, q_len);
-    load_row_stats_async<kBr>(sLse, sDelta, buf, p, batch, head, t.q0, tid);
+    load_row_stats_async<kBr, kFixedPoint>(sLse, sDelta, buf, p, batch, head, t.q0, tid, sUnit);
     cp_async_commit();
   };
 
@@ -324,9 +331,16 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         if (kProductsFirst && chunk + S::kDqChunk >= S::kDqCols) dkv_products();  // the last reductions next
         if (deterministic && chunk == 0) wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
 #pragma unroll
-        for (int mt = 0; mt < S::kDqMTiles; ++mt)
-          add_dq_rows<C::kHeadDim>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk, acc_dq[mt],
-                                   (lane % 4) * 2);
+        for (int mt = 0; mt < S::kDqMTiles; ++mt) {
+          if constexpr (kFixedPoint) {
+            const float* unit = sUnit + buf * kBr + m0 + mt * 16 + lane / 4;  // this lane's two dQ rows'
+            add_dq_rows_fixed<C::kHeadDim>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk,
+                                           acc_dq[mt], (lane % 4) * 2, unit[0], unit[8]);
+          } else {
+            add_dq_rows<C::kHeadDim>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk,
+                                     acc_dq[mt], (lane % 4) * 2);
+          }
+        }
       }
       if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }

@@ -7,7 +7,7 @@
 //   convert_dq:      dq = scale * dq_accum in the input dtype.
 //   kv_bounds:       max |K| and max |V_j| per (batch, kv head), for the fixed-point dQ below.
 //
-// Fixed-point dQ (the wgmma backward's deterministic=True; p.dq_unit set): the kv tiles add their
+// Fixed-point dQ (deterministic=True in both families; p.dq_unit set): the kv tiles add their
 // dQ contributions as 32-bit integers, round(c * unit_i) for row i, and integer adds give the same
 // sum in any order, so no kv tile waits for another (the ordered fp32 adds they replace cost
 // 1.2-2x the default's time: NOTES.md §38). unit_i = 2^x is chosen per row so that no partial sum
@@ -157,7 +157,7 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
   const bool in_workspace = row < p.q_len_pad;  // real or padding rows of the q_len_pad
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
   const bool real = row < p.q_len;
-  const bool fixed_point = p.dq_unit != nullptr;  // the deterministic wgmma backward (above)
+  const bool fixed_point = p.dq_unit != nullptr;  // the deterministic backward (above)
   float dot = 0.f, do_sq = 0.f;
   if (real && l < R::kChunks) {
     const Vec16 o = *reinterpret_cast<const Vec16*>(p.o + batch * p.o_sb + head * p.o_sh + row * p.o_sn + l * 8);

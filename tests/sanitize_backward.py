@@ -6,10 +6,11 @@
 
 Each variant gets a mask with exactly its features (plain: full; causal: causal; partial: random
 full/partial blocks with empty rows; both: a random mix) at odd lengths with GQA, so tails, every
-mask path and the group walk run; deterministic=True runs as well on the partial mma.sync variants
-(the dQ turn order) and on every wgmma variant (the fixed-point dQ, its K/V bounds kernel and, at
-D = 128, its two dQ writers). Then, per head dim, the feature variants (bias + softcap; softcap alone, which takes the
-warp-specialized kernel at D = 128 on sm_90). Exits 1 if any gradient is wrong.
+mask path and the group walk run; deterministic=True runs as well on every variant (the fixed-point
+dQ entry and its K/V bounds kernel; on wgmma at D = 128 its two dQ writers). Then, per head dim, the
+feature variants (bias + softcap; softcap alone, which takes the warp-specialized kernel at D = 128
+on sm_90) and, deterministic, a score modifier whose derivative is 2 (the mma.sync kernel's ordered
+fp32 dQ and its turns). Exits 1 if any gradient is wrong.
 CuPy's memory pool is switched off, so that every buffer is its own allocation for memcheck.
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ from omnicupy.dispatch import tiles
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from helpers import TOLERANCE, random_block_mask, random_qkv  # noqa: E402
+
+#: A score modifier whose derivative (2) exceeds the fixed-point dQ's bound: deterministic calls with
+#: it take the mma.sync kernel's ordered fp32 sum.
+DOUBLED = score_mods.cuda_score("score * S", {"S": 2.0}, grad="S", numpy_fn=lambda s, b, h, i, j: s * 2.0,
+                                numpy_grad=lambda s, b, h, i, j: np.full_like(s, 2.0))
 
 
 def mask_with(features, rng, n):
@@ -79,8 +85,7 @@ def main(argv=None) -> int:
             bm, dense = mask_with((variant.causal, variant.partial), rng, n)  # resample a degenerate draw
         q, k, v = random_qkv(rng, 1, 4, n, variant.head_dim, variant.dtype, Hkv=2)
         failures += run(variant.name, rng, q, k, v, bm, dense, variant.dtype)
-        if variant.partial or variant.family == "wgmma":  # wgmma: every deterministic entry (fixed-point dQ)
-            failures += run(f"{variant.name} deterministic", rng, q, k, v, bm, dense, variant.dtype, deterministic=True)
+        failures += run(f"{variant.name} deterministic", rng, q, k, v, bm, dense, variant.dtype, deterministic=True)
     for hd in head_dims:
         q, k, v = random_qkv(rng, 1, 2, n, hd, "fp16", Nkv=n + 5)
         dense = np.arange(n)[:, None] >= np.arange(n + 5)[None, :]
@@ -90,6 +95,8 @@ def main(argv=None) -> int:
         # a score modifier alone (at D = 128 on sm_90 the warp-specialized kernel, which a bias avoids)
         failures += run(f"hd{hd} softcap", rng, q, k, v, None, dense, "fp16", causal=True,
                         score_mod=score_mods.softcap(5.0))
+        failures += run(f"hd{hd} ordered (derivative 2)", rng, q, k, v, None, dense, "fp16", causal=True,
+                        score_mod=DOUBLED, deterministic=True)
     return 1 if failures else 0
 
 

@@ -312,9 +312,8 @@ def test_inputs_line_up_in_pointer_order():
 
 @pytest.mark.parametrize("family", ["wgmma", "sync"])
 def test_deterministic_main_kernel_gets_the_shared_memory_opt_in(monkeypatch, family):
-    """The wgmma family's deterministic main is an entry point of its own: it needs the same
-    dynamic shared memory opt-in as the main kernel (a launch without it fails); the mma.sync kernel
-    serves both modes."""
+    """Each family's fixed-point main is an entry point of its own: it needs the same dynamic shared
+    memory opt-in as the main kernel (a launch without it fails); the K/V bounds kernel beside it."""
     import cupy
 
     from omnicupy import jit
@@ -331,21 +330,21 @@ def test_deterministic_main_kernel_gets_the_shared_memory_opt_in(monkeypatch, fa
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(jit, "get_kernel", lambda v: FakeKernel(v.name))
     monkeypatch.setattr(backward, "_modules", {})
-    pre, atomic, ordered, convert, bounds = backward._kernels(variant)
+    pre, atomic, fixed, convert, bounds = backward._kernels(variant)
     assert (pre.name, atomic.name, convert.name) == (f"{variant.name}_pre", variant.name, f"{variant.name}_dq")
-    if family == "wgmma":
-        assert ordered.name == f"{variant.name}_det" and ordered.max_dynamic_shared_size_bytes == variant.smem_bytes
-        assert bounds.name == f"{variant.name}_kvb"
-    else:
-        assert ordered is atomic and bounds is None
+    assert fixed.name == f"{variant.name}_det" and fixed.max_dynamic_shared_size_bytes == variant.smem_bytes
+    assert bounds.name == f"{variant.name}_kvb"
 
 
 # ---------------------------------------------------------------- deterministic dQ: how it is summed
-@pytest.mark.parametrize("family,deterministic,expected", [
-    ("wgmma", False, "ATOMIC"), ("sync", False, "ATOMIC"), ("wgmma", True, "FIXED"), ("sync", True, "ORDERED")])
-def test_dq_sum_follows_family_and_mode(family, deterministic, expected):
+@pytest.mark.parametrize("family,deterministic,unbounded_grad,expected", [
+    ("wgmma", False, False, "ATOMIC"), ("sync", False, False, "ATOMIC"), ("sync", False, True, "ATOMIC"),
+    ("wgmma", True, False, "FIXED"), ("sync", True, False, "FIXED"), ("sync", True, True, "ORDERED")])
+def test_dq_sum_follows_family_and_mode(family, deterministic, unbounded_grad, expected):
+    """Fixed point wherever its row bound holds; fp32 in order (mma.sync only: make_plan asks for that
+    family) where a score derivative may exceed 1."""
     from omnicupy.ops.backward import DqSum
-    assert DqSum.of(family, deterministic) is DqSum[expected]
+    assert DqSum.of(family, deterministic, unbounded_grad) is DqSum[expected]
 
 
 @pytest.mark.parametrize("dq_sum", ["ATOMIC", "ORDERED", "FIXED"])

@@ -70,7 +70,7 @@ BACKWARD = ParamStruct("BwdParams", (
     Param("dq_semaphore", "ptr", "int*",
           doc="[B, Hq, q tiles, column passes] zeroed: the mma.sync kernel's ordered dQ; else null"),
     Param("dq_unit", "ptr", "float*",
-          doc="[B, Hq, q_len_pad] 2^x per row: the wgmma kernels' int32 fixed-point dQ (deterministic); else null"),
+          doc="[B, Hq, q_len_pad] 2^x per row: the int32 fixed-point dQ (deterministic); else null"),
     Param("kv_bound", "ptr", "float*", doc="[B, Hkv, 2] zeroed: max |K|, max |V_j|^2 (with dq_unit)"),
     Param("q_len_pad", "i32", doc="row stride of lse_log2 / delta: q_len rounded up to whole q tiles"),
     Param("num_heads", "i32", doc="Hq"),

@@ -128,7 +128,7 @@ def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block
                   score_grad: Optional[str], arch: Optional[str], ordered_dq: bool = False) -> Plan:
     """The backward's main kernel: one CTA per (kv tile, column pass) of each (batch, kv head); the
     row kernels around it (ops/backward.py) need no plan. Column passes split head dims above 128.
-    ``ordered_dq``: a deterministic dQ the wgmma kernels' fixed point cannot bound (mma.sync)."""
+    ``ordered_dq``: a deterministic dQ the fixed point cannot bound (the mma.sync kernel's ordered sum)."""
     bm = block_mask
     variant = tiles.select_backward_variant(head_dim, dtype, bm.q_block_size, bm.kv_block_size, bm.features.causal,
                                             bm.features.partial, bias=bias, mask_expr=mask_expr,

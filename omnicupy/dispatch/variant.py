@@ -383,8 +383,8 @@ class Variant:
         to align the tiles. tma: the same plus the ring's mbarriers.
 
         backward (mma.sync): the CTA's K and V tiles (bc rows), ``stages`` buffers of the q tile's
-        Q and dO (br rows) with its LSE and rowsum(dO O) (fp32), and dSᵀ (bc x br, padded rows), with
-        column parts Pᵀ too;
+        Q and dO (br rows) with its LSE, rowsum(dO O) and fixed-point units (fp32; the units read by
+        the deterministic entry only), and dSᵀ (bc x br, padded rows), with column parts Pᵀ too;
         backward (wgmma): the same tiles unpadded and swizzled, plus one swizzle atom of slack and per
         stage a PARTIAL q tile's bits over the kv tile (bc / 8 bytes per q row) and its rows'
         fixed-point units (fp32, read by the deterministic entry only)."""
@@ -403,7 +403,7 @@ class Variant:
             row_bytes = (self.head_dim + SMEM_PAD_ELEMS) * 2
             transposed = self.bc * (self.br + SMEM_PAD_ELEMS) * 2  # dSᵀ, and Pᵀ with column parts
             return ((2 * self.bc + 2 * self.stages * self.br) * row_bytes + (2 if self.column_parts else 1) * transposed
-                    + 2 * self.stages * self.br * 4)
+                    + 3 * self.stages * self.br * 4)  # LSE, delta and the fixed-point units per q row
         if self.family == "wgmma":
             return SWIZZLE_ATOM_BYTES + (self.br + self.stages * 2 * self.bc) * self.head_dim * 2
         if self.operation == "combine":

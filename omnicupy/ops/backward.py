@@ -9,9 +9,11 @@ on mma.sync; attention_bwd_sm90.cu.jinja on wgmma, sm_90 with OMNICUPY_BWD=wgmma
     main   one CTA per kv tile: dK, dV in registers, dQ by fp32 atomics
     _dq    dq = scale * accumulator in the input dtype
 
-``deterministic=True`` changes how dQ is summed (``DqSum``): the wgmma family adds int32 fixed point
-(kernels/bwd_rows.cuh; a ``_kvb`` kernel first bounds K and V for the rows' units), the mma.sync
-family adds fp32 in a fixed kv tile order (one int32 turn counter per (batch, head, q tile)). The
+``deterministic=True`` changes how dQ is summed (``DqSum``): both families add int32 fixed point in
+a ``_det`` entry of their own (kernels/bwd_rows.cuh; a ``_kvb`` kernel first bounds K and V for the
+rows' units); a score modifier whose derivative may exceed 1 (which that bound does not cover) takes
+the mma.sync kernel with fp32 adds in a fixed kv tile order (one int32 turn counter per (batch,
+head, q tile)). The
 workspace is O(B * Hq * Nq * D). Every check runs before any launch and raises an ArgumentError (or
 MaskError) naming the argument.
 """
@@ -113,22 +115,23 @@ class DqSum(Enum):
     """How the main kernel sums dQ over kv tiles."""
 
     ATOMIC = "atomic"    # fp32 bulk reductions / atomics in arrival order (the default)
-    ORDERED = "ordered"  # deterministic, mma.sync: fp32 adds in a fixed kv tile order (turn counters)
-    FIXED = "fixed"      # deterministic, wgmma: int32 fixed point, the same sum in any order
+    ORDERED = "ordered"  # deterministic, mma.sync, derivatives beyond 1: fp32 adds in a fixed kv tile order
+    FIXED = "fixed"      # deterministic: int32 fixed point, the same sum in any order
 
     @classmethod
-    def of(cls, family: str, deterministic: bool) -> "DqSum":
+    def of(cls, family: str, deterministic: bool, unbounded_grad: bool = False) -> "DqSum":
+        """``unbounded_grad``: a score derivative that may exceed 1 in size, which the fixed point's
+        row bound does not cover (make_plan then asks for the mma.sync family)."""
         if not deterministic:
             return cls.ATOMIC
-        return cls.FIXED if family == "wgmma" else cls.ORDERED
+        return cls.ORDERED if unbounded_grad and family == "sync" else cls.FIXED
 
 
 def _kernels(variant) -> tuple:
-    """(preprocess, main, deterministic main, convert, K/V bounds or None) functions of ``variant``'s
-    module on the current device. The wgmma family has a deterministic main of its own (dQ in int32
-    fixed point) and the K/V bounds kernel its units need, so that the default carries none of that
-    code; the mma.sync kernel reads the mode at run time (``dq_semaphore`` set or not), and is both
-    mains."""
+    """(preprocess, main, fixed-point main, convert, K/V bounds) functions of ``variant``'s module on
+    the current device. Both families have a main of their own for dQ in int32 fixed point and the
+    K/V bounds kernel its units need, so that the default carries none of that code; the mma.sync
+    main also sums fp32 in a fixed order when ``dq_semaphore`` is set (DqSum.ORDERED)."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
@@ -139,12 +142,10 @@ def _kernels(variant) -> tuple:
             found = _modules.get(key)
             if found is None:
                 main = jit.get_kernel(variant)  # loaded from the bytes the cache verified
-                ordered, bounds = main, None
-                if variant.family == "wgmma":
-                    ordered = main.sibling(f"{variant.name}_det")
-                    jit.opt_in_shared_memory(ordered, variant.smem_bytes)  # as jit.get_kernel does for main
-                    bounds = main.sibling(f"{variant.name}_kvb")
-                found = (main.sibling(f"{variant.name}_pre"), main, ordered, main.sibling(f"{variant.name}_dq"), bounds)
+                fixed = main.sibling(f"{variant.name}_det")
+                jit.opt_in_shared_memory(fixed, variant.smem_bytes)  # as jit.get_kernel does for main
+                found = (main.sibling(f"{variant.name}_pre"), main, fixed, main.sibling(f"{variant.name}_dq"),
+                         main.sibling(f"{variant.name}_kvb"))
                 _modules[key] = found
     return found
 
@@ -261,16 +262,16 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
             extras: BackwardExtras, deterministic: bool) -> recall.Recipe:
     cp = arrays.cupy_module()
     try:
-        pre, atomic, deterministic_main, convert, bounds = _kernels(plan.variant)
+        pre, atomic, fixed_main, convert, bounds = _kernels(plan.variant)
     except CompileError as exc:
         exprs = [e.text for e in (extras.mask_expr, extras.score_expr) if e is not None]
         if not exprs:
             raise
         raise CompileError(f"the CUDA expression(s) {exprs} (or the score derivative {extras.score_grad!r}) "
                            f"did not compile:\n{exc}") from None
-    main = deterministic_main if deterministic else atomic
     variant = plan.variant
-    dq_sum = DqSum.of(variant.family, deterministic)
+    dq_sum = DqSum.of(variant.family, deterministic, unbounded_grad=not extras.score_grad_at_most_one)
+    main = fixed_main if dq_sum is DqSum.FIXED else atomic
     B, Hq, Nq = inp.batch, inp.heads, inp.q_len
     q_len_pad = cdiv(Nq, variant.br) * variant.br
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
@@ -403,10 +404,10 @@ def attention_backward(
     carry theirs; ``cuda_score(..., grad="...")`` for your own), else an ArgumentError is raised.
 
     dQ is accumulated in fp32 by atomic adds, whose order varies run to run in the last bits;
-    ``deterministic=True`` gives bitwise-identical results run to run: on Hopper's wgmma kernels dQ
-    is summed as 32-bit fixed point scaled per row from bounds of dO, K and V (integer sums do not
-    depend on their order; accuracy comparable to the fp32 sum), elsewhere, and with a ``score_mod``
-    whose derivative may exceed 1 in size, by fp32 adds in a fixed order (slower).
+    ``deterministic=True`` gives bitwise-identical results run to run: dQ is summed as 32-bit fixed
+    point scaled per row from bounds of dO, K and V (integer sums do not depend on their order;
+    accuracy comparable to the fp32 sum), or, with a ``score_mod`` whose derivative may exceed 1 in
+    size, by fp32 adds in a fixed order (slower).
     ``dq``/``dk``/``dv`` buffers are written in place. With ``fuse_mask=True`` PARTIAL blocks evaluate
     the mask's CUDA expression instead of its bits. NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
     """
