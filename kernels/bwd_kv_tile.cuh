@@ -288,8 +288,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // fragments reuse those registers; with column parts the products go before the reductions
     // (+3-7 % at D = 128) but with PARTIAL blocks (-2 %, 356 bytes of spills against 32); at D = 64
     // after them (before, their register fragments spilled 56-84 bytes for -1..+4 %), where they
-    // run while the reductions drain (NOTES.md §40). ----
-    constexpr bool kProductsFirst = C::kColumnParts && !C::kHasPartial;
+    // run while the reductions drain (NOTES.md §40). The fixed-point entry, whose integer reductions
+    // are twice as many, puts them first with PARTIAL blocks too (-4..-5 %, NOTES.md §42). ----
+    constexpr bool kProductsFirst = C::kColumnParts && (!C::kHasPartial || kFixedPoint);
     const auto dkv_products = [&]() {
       if (C::kColumnParts) {
         u32 p_rows = p_rows0, ds_rows = ds_rows0;
