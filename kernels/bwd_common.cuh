@@ -12,10 +12,10 @@
 //                            partial / kv-tail masking)
 //   fragments                store_ds_rows (dSᵀ to shared memory for dQ; zero and pack_a are in
 //                            mma_tiles.cuh, shared with the decode)
-//   dQ                       the mma.sync kernel's deterministic order: dq_semaphore, load_acquire /
-//                            store_release; its adds and turns: red_add2, add_dq_rows,
-//                            wait_dq_turn, pass_dq_turn; or in fixed point, add_dq_rows_fixed (the wgmma kernel stages dQ and adds it
-//                            with bulk reductions of its own, kernels/dq_tiles.cuh)
+//   dQ                       the mma.sync kernel's adds: red_add2, add_dq_rows, or in fixed point
+//                            add_dq_rows_fixed; its ordered mode: dq_semaphore, load_acquire /
+//                            store_release, wait_dq_turn, pass_dq_turn (the wgmma kernel stages dQ
+//                            and adds it with bulk reductions of its own, kernels/dq_tiles.cuh)
 //   epilogue                 store_dk_dv_rows (dK scaled, dV; padding columns skipped)
 //
 // Each helper works on explicit arguments (one warp's m16 tile of kv rows, or the CTA's q tile)

@@ -347,6 +347,14 @@ def test_dq_sum_follows_family_and_mode(family, deterministic, unbounded_grad, e
     assert DqSum.of(family, deterministic, unbounded_grad) is DqSum[expected]
 
 
+def test_an_ordered_dq_sum_needs_the_sync_family():
+    """Only the mma.sync kernel has turn counters: asking wgmma for an ordered sum is a dispatch bug,
+    never a fixed-point sum whose row bound does not hold."""
+    from omnicupy.ops.backward import DqSum
+    with pytest.raises(ValueError, match="mma.sync"):
+        DqSum.of("wgmma", True, unbounded_grad=True)
+
+
 @pytest.mark.parametrize("dq_sum", ["ATOMIC", "ORDERED", "FIXED"])
 def test_workspace_parts_follow_the_dq_sum(dq_sum):
     """Each mode's workspace holds exactly its parts, each 256-byte aligned and disjoint; the zeroed

@@ -13,9 +13,8 @@ on mma.sync; attention_bwd_sm90.cu.jinja on wgmma, sm_90 with OMNICUPY_BWD=wgmma
 a ``_det`` entry of their own (kernels/bwd_rows.cuh; a ``_kvb`` kernel first bounds K and V for the
 rows' units); a score modifier whose derivative may exceed 1 (which that bound does not cover) takes
 the mma.sync kernel with fp32 adds in a fixed kv tile order (one int32 turn counter per (batch,
-head, q tile)). The
-workspace is O(B * Hq * Nq * D). Every check runs before any launch and raises an ArgumentError (or
-MaskError) naming the argument.
+head, q tile)). The workspace is O(B * Hq * Nq * D). Every check runs before any launch and raises
+an ArgumentError (or MaskError) naming the argument.
 """
 from __future__ import annotations
 
@@ -124,7 +123,11 @@ class DqSum(Enum):
         row bound does not cover (make_plan then asks for the mma.sync family)."""
         if not deterministic:
             return cls.ATOMIC
-        return cls.ORDERED if unbounded_grad and family == "sync" else cls.FIXED
+        if not unbounded_grad:
+            return cls.FIXED
+        if family != "sync":  # only the mma.sync kernel sums in order; make_plan never gives another
+            raise ValueError(f"an ordered dQ sum needs the mma.sync family, not {family!r}")
+        return cls.ORDERED
 
 
 def _kernels(variant) -> tuple:
