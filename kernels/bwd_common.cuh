@@ -12,8 +12,8 @@
 //                            partial / kv-tail masking)
 //   fragments                store_ds_rows (dSᵀ to shared memory for dQ; zero and pack_a are in
 //                            mma_tiles.cuh, shared with the decode)
-//   dQ                       the mma.sync kernel's adds: red_add2, add_dq_rows, or in fixed point
-//                            add_dq_rows_fixed; its ordered mode: dq_semaphore, load_acquire /
+//   dQ                       the mma.sync kernel's adds: red_add2, add_dq_rows (fp32 or int32
+//                            fixed point); its ordered mode: dq_semaphore, load_acquire /
 //                            store_release, wait_dq_turn, pass_dq_turn (the wgmma kernel stages dQ
 //                            and adds it with bulk reductions of its own, kernels/dq_tiles.cuh)
 //   epilogue                 store_dk_dv_rows (dK scaled, dV; padding columns skipped)
@@ -304,39 +304,31 @@ __device__ __forceinline__ void red_add2(float* ptr, float a, float b) {
 #endif
 }
 
-// One m16 tile of dQ (accumulators of kTiles n8 tiles) added into the fp32 workspace (rows of
-// kHeadDim, head bh): this lane's rows q0 + row and q0 + row + 8 (row: the tile's first row within
-// the q tile plus lane_row), columns col + lane_col ..; rows at or past q_len are skipped.
-template <int kHeadDim, int kTiles, class P>
+// One m16 tile of dQ (accumulators of kTiles n8 tiles) added into the workspace (rows of kHeadDim,
+// head bh): this lane's rows q0 + row and q0 + row + 8 (row: the tile's first row within the q tile
+// plus lane_row), columns col + lane_col ..; rows at or past q_len are skipped. fp32 adds, or with
+// kFixedPoint int32 ones of round(acc * unit) (the mma.sync kernel's deterministic mode,
+// bwd_rows.cuh; `units`: rows row and row + 8; no vector form for integers: two per pair; cvt.rni
+// saturates, never wraps).
+template <int kHeadDim, bool kFixedPoint = false, int kTiles, class P>
 __device__ __forceinline__ void add_dq_rows(const P& p, i64 bh, int q0, int row, i64 col, const float (&acc)[kTiles][4],
-                                            int lane_col) {
+                                            int lane_col, const float* units = nullptr) {
+  float unit[2] = {0.f, 0.f};
+  if constexpr (kFixedPoint) unit[0] = units[0], unit[1] = units[8];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int q = q0 + row + half * 8;
     if (q >= p.q_len) continue;
     float* dst = p.dq_accum + (bh * p.q_len + q) * kHeadDim + col + lane_col;
 #pragma unroll
-    for (int dt = 0; dt < kTiles; ++dt) red_add2(dst + dt * 8, acc[dt][2 * half], acc[dt][2 * half + 1]);
-  }
-}
-
-// The same rows in int32 fixed point (the mma.sync kernel's deterministic mode, bwd_rows.cuh):
-// round(acc * unit) per element, unit_lo / unit_hi the units of rows `row` and row + 8, added by
-// integer reductions (no vector form for integers: two per pair). cvt.rni saturates, never wraps.
-template <int kHeadDim, int kTiles, class P>
-__device__ __forceinline__ void add_dq_rows_fixed(const P& p, i64 bh, int q0, int row, i64 col,
-                                                  const float (&acc)[kTiles][4], int lane_col, float unit_lo,
-                                                  float unit_hi) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int q = q0 + row + half * 8;
-    if (q >= p.q_len) continue;
-    const float unit = half ? unit_hi : unit_lo;
-    int* dst = reinterpret_cast<int*>(p.dq_accum + (bh * p.q_len + q) * kHeadDim + col + lane_col);
-#pragma unroll
     for (int dt = 0; dt < kTiles; ++dt) {
-      atomicAdd(dst + dt * 8, __float2int_rn(acc[dt][2 * half] * unit));
-      atomicAdd(dst + dt * 8 + 1, __float2int_rn(acc[dt][2 * half + 1] * unit));
+      if constexpr (kFixedPoint) {
+        int* fixed = reinterpret_cast<int*>(dst + dt * 8);
+        atomicAdd(fixed, __float2int_rn(acc[dt][2 * half] * unit[half]));
+        atomicAdd(fixed + 1, __float2int_rn(acc[dt][2 * half + 1] * unit[half]));
+      } else {
+        red_add2(dst + dt * 8, acc[dt][2 * half], acc[dt][2 * half + 1]);
+      }
     }
   }
 }

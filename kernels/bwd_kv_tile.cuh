@@ -332,16 +332,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         if (kProductsFirst && chunk + S::kDqChunk >= S::kDqCols) dkv_products();  // the last reductions next
         if (deterministic && chunk == 0) wait_dq_turn(sem, turn, tid);  // the kv tiles before this one
 #pragma unroll
-        for (int mt = 0; mt < S::kDqMTiles; ++mt) {
-          if constexpr (kFixedPoint) {
-            const float* unit = sUnit + buf * kBr + m0 + mt * 16 + lane / 4;  // this lane's two dQ rows'
-            add_dq_rows_fixed<C::kHeadDim>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk,
-                                           acc_dq[mt], (lane % 4) * 2, unit[0], unit[8]);
-          } else {
-            add_dq_rows<C::kHeadDim>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk,
-                                     acc_dq[mt], (lane % 4) * 2);
-          }
-        }
+        for (int mt = 0; mt < S::kDqMTiles; ++mt)
+          add_dq_rows<C::kHeadDim, kFixedPoint>(p, bh, q0, m0 + mt * 16 + lane / 4, static_cast<i64>(c0) + col0 + chunk,
+                                                acc_dq[mt], (lane % 4) * 2, sUnit + buf * kBr + m0 + mt * 16 + lane / 4);
       }
       if (deterministic) pass_dq_turn(sem, turn, tid);  // hand the q tile to the next kv tile
     }

@@ -14,6 +14,11 @@ from omnicupy.mask.block_mask import cdiv
 
 NP_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}  # relative Frobenius error vs the float64 reference
+#: A score modifier whose derivative (2) exceeds the deterministic backward's fixed-point bound:
+#: deterministic calls with it take the mma.sync kernel's ordered fp32 sum.
+DOUBLED_SCORE = omnicupy.score_mods.cuda_score("score * S", {"S": 2.0}, grad="S",
+                                               numpy_fn=lambda s, b, h, i, j: s * 2.0,
+                                               numpy_grad=lambda s, b, h, i, j: np.full_like(s, 2.0))
 #: Set to replay a failing test's random inputs: the seed it printed (OMNICUPY_TEST_SEED=1234 pytest ...).
 SEED_VARIABLE = "OMNICUPY_TEST_SEED"
 #: (test id, seed) of the generator seeded_rng() made last (run_and_check names it in its failures).

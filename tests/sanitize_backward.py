@@ -26,12 +26,7 @@ from omnicupy import BlockMask, reference, score_mods
 from omnicupy.dispatch import tiles
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from helpers import TOLERANCE, random_block_mask, random_qkv  # noqa: E402
-
-#: A score modifier whose derivative (2) exceeds the fixed-point dQ's bound: deterministic calls with
-#: it take the mma.sync kernel's ordered fp32 sum.
-DOUBLED = score_mods.cuda_score("score * S", {"S": 2.0}, grad="S", numpy_fn=lambda s, b, h, i, j: s * 2.0,
-                                numpy_grad=lambda s, b, h, i, j: np.full_like(s, 2.0))
+from helpers import DOUBLED_SCORE, TOLERANCE, random_block_mask, random_qkv  # noqa: E402
 
 
 def mask_with(features, rng, n):
@@ -96,7 +91,7 @@ def main(argv=None) -> int:
         failures += run(f"hd{hd} softcap", rng, q, k, v, None, dense, "fp16", causal=True,
                         score_mod=score_mods.softcap(5.0))
         failures += run(f"hd{hd} ordered (derivative 2)", rng, q, k, v, None, dense, "fp16", causal=True,
-                        score_mod=DOUBLED, deterministic=True)
+                        score_mod=DOUBLED_SCORE, deterministic=True)
     return 1 if failures else 0
 
 

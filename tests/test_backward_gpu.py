@@ -16,7 +16,7 @@ import omnicupy
 from omnicupy import BlockMask, reference, score_mods
 from omnicupy.dispatch.variant import SUPPORTED_HEAD_DIMS
 
-from helpers import TOLERANCE, device_view, random_block_mask, random_qkv
+from helpers import DOUBLED_SCORE, TOLERANCE, device_view, random_block_mask, random_qkv
 from mask_cases import MASK_CASES
 
 pytestmark = pytest.mark.gpu
@@ -365,10 +365,8 @@ def test_deterministic_with_an_unbounded_score_derivative_sums_in_order():
     seed = new_seed()
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, 2, 300, 64, "fp16")
-    mod = omnicupy.score_mods.cuda_score("score * S", {"S": 2.0}, grad="S", numpy_fn=lambda s, b, h, i, j: s * 2.0,
-                                         numpy_grad=lambda s, b, h, i, j: np.full_like(s, 2.0))
     dense = np.tril(np.ones((300, 300), bool))[None, None]
-    first = check_backward(seed, q, k, v, dense, "fp16", causal=True, score_mod=mod, deterministic=True)
-    second = check_backward(seed, q, k, v, dense, "fp16", causal=True, score_mod=mod, deterministic=True)
+    first = check_backward(seed, q, k, v, dense, "fp16", causal=True, score_mod=DOUBLED_SCORE, deterministic=True)
+    second = check_backward(seed, q, k, v, dense, "fp16", causal=True, score_mod=DOUBLED_SCORE, deterministic=True)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
