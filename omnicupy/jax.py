@@ -26,7 +26,7 @@ pointers), which must be rewritten for every execution; ``pure_callback`` copies
 
 Per-call host work: the handler's Python (tens of µs) and, for the TMA kernels, tensor-map
 encoding whenever XLA hands a buffer at an address not seen before (cached per address; XLA
-usually reuses its addresses from step to step). Needs jax >= 0.4.35 (``jax.ffi``); tested with
+usually reuses its addresses from step to step). Needs jax >= 0.5 (``jax.ffi`` with ``vmap_method``); tested with
 0.10 (CPU) and 0.11 (GPU).
 
 Only this module imports jax; ``import omnicupy`` never does.
@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test 
                                  "(with omnicupy[cuda12] or omnicupy[cuda13])") from exc
 
 if not hasattr(jax, "ffi"):  # pragma: no cover
-    raise MissingDependencyError(f"omnicupy.jax needs jax >= 0.4.35 (jax.ffi), found {jax.__version__}: "
+    raise MissingDependencyError(f"omnicupy.jax needs jax >= 0.5 (jax.ffi), found {jax.__version__}: "
                                  "pip install -U 'omnicupy[jax]'")
 
 from . import arrays
