@@ -30,6 +30,8 @@ from .xla_ffi import BufferView, Frame
 #: The custom-call targets (jax.ffi.register_ffi_target names, platform CUDA).
 FORWARD_TARGET = "omnicupy_attention_fwd"
 BACKWARD_TARGET = "omnicupy_attention_bwd"
+#: XLA's stream of the latest execution (what tests and a debugger can check; written, never read here).
+last_stream: list[int] = [0]
 
 
 def _device(frame: Frame, first: BufferView) -> int:
@@ -52,8 +54,9 @@ def xla_context(frame: Frame, device: int) -> Iterator[None]:
         if live[0]:  # after the call, XLA's context is gone: what omnicupy cached stays allocated
             frame.free(ptr, size)
 
+    stream = last_stream[0] = frame.stream()
     try:
-        with glue.on_stream(device, frame.stream()), glue.allocating_with(alloc, device, free):
+        with glue.on_stream(device, stream), glue.allocating_with(alloc, device, free):
             yield
     finally:
         live[0] = False
