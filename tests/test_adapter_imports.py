@@ -52,3 +52,15 @@ def test_adapters_are_lazy_attributes(name):
     got = run(code)
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == [f"omnicupy.{name}", "True"]
+
+
+@pytest.mark.parametrize("script", ["train_torch_compile.py", "train_jax.py"])
+def test_adapter_examples_exit_cleanly_without_a_gpu(script):
+    from omnicupy import arrays
+
+    if arrays.gpu_available():
+        pytest.skip("a GPU is here: the example would train (the GPU run checks it)")
+    got = subprocess.run([sys.executable, str(PACKAGE_PARENT / "examples" / script)], capture_output=True, text=True,
+                         cwd=PACKAGE_PARENT, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert "needs an NVIDIA GPU" in got.stdout
