@@ -33,6 +33,8 @@ ATTR_SCALAR, ATTR_STRING = 3, 4
 ERROR_INTERNAL = 13
 #: The FFI API version this handler is written against (XLA accepts older minors of its major).
 API_MAJOR, API_MINOR = 0, 1
+#: XLA_FFI_DataType -> the ctypes type of a scalar attribute omnicupy reads (S32, S64, F32, F64).
+SCALARS: dict[int, Any] = {4: c_int32, 5: c_int64, 11: ctypes.c_float, 12: ctypes.c_double}
 #: XLA_FFI_DataType -> NumPy dtype name.
 DTYPES = {1: "bool", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 7: "uint16", 8: "uint32",
           9: "uint64", 10: "float16", 11: "float32", 12: "float64", 16: "bfloat16"}
@@ -205,7 +207,7 @@ def _attributes(raw: Attrs) -> dict[str, Any]:
         kind, item = int(raw.types[i]), raw.attrs[i]
         if kind == ATTR_SCALAR:
             scalar = ctypes.cast(item, POINTER(Scalar)).contents
-            ctype = {4: c_int32, 5: c_int64, 11: ctypes.c_float, 12: ctypes.c_double}.get(int(scalar.dtype))
+            ctype: Any = SCALARS.get(int(scalar.dtype))
             if ctype is None:
                 raise FfiError(f"attribute {name!r}: scalar type {int(scalar.dtype)} is not read by omnicupy")
             out[name] = ctypes.cast(scalar.value, POINTER(ctype)).contents.value
@@ -248,7 +250,7 @@ def make_handler(execute: Callable[[Frame], None]):
         return None
 
     callback = HANDLER(handler)
-    return callback, capsule(ctypes.cast(callback, c_void_p).value)
+    return callback, capsule(int(ctypes.cast(callback, c_void_p).value or 0))
 
 
 def capsule(address: int):
