@@ -125,3 +125,32 @@ def test_handler_turns_exceptions_into_xla_errors():
     x = jnp.zeros(4, jnp.float32)
     with pytest.raises(Exception, match="omnicupy: ArgumentError: asked to fail"):
         _copy(x, offset=np.int64(0), fail=np.int64(1)).block_until_ready()
+
+
+def _context_probe(frame: xla_ffi.Frame) -> None:
+    """Test handler: what the execution context gives on the CPU platform (a device ordinal; no
+    stream and no device allocator, reported as FfiError with XLA's message)."""
+    _seen["device"] = frame.device()
+    for name, call in (("stream", frame.stream), ("allocate", lambda: frame.allocate(4096))):
+        try:
+            _seen[name] = call()
+        except xla_ffi.FfiError as exc:
+            _seen[name] = exc
+    ret = frame.rets[0]
+    ctypes.memset(ret.ptr, 0, 4 * int(np.prod(ret.shape)))
+
+
+_PROBE = xla_ffi.make_handler(_context_probe)
+jax.ffi.register_ffi_target("omnicupy_test_probe", _PROBE[1], platform="cpu", api_version=1)
+
+
+def test_handler_reaches_the_api_function_table():
+    """DeviceOrdinal_Get is the table's last entry: reaching it checks every offset before it."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the ABI test handler is registered for the CPU platform")
+    x = jnp.ones(4, jnp.float32)
+    jax.ffi.ffi_call("omnicupy_test_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))(x).block_until_ready()
+    assert _seen["device"] == 0
+    for name in ("stream", "allocate"):
+        assert isinstance(_seen[name], xla_ffi.FfiError) and "failed: " in str(_seen[name]), _seen[name]
+        assert len(str(_seen[name]).split("failed: ", 1)[1]) > 0  # XLA's own message came through

@@ -65,8 +65,8 @@ def test_jit_forward_and_grad_match_omnicupy(rule, layout, dtype):
     out_c, lse_c = omnicupy.attention(*(to_bhnd(x, layout) for x in (q, k, v)), bm, return_lse=True)
     want = omnicupy.attention_backward(to_bhnd(dout, layout), *(to_bhnd(x, layout) for x in (q, k, v)), out_c, lse_c,
                                        bm)
-    got_out = to_bhnd(out, layout)
-    assert bool(cp.array_equal(got_out, out_c)), f"forward differs from omnicupy's (seed {seed})"
+    err = rel(cp.asnumpy(to_bhnd(out, layout).astype(cp.float32)), cp.asnumpy(out_c.astype(cp.float32)))
+    assert err <= 1e-3, f"forward: {err:.2e} from omnicupy's (the same kernel; seed {seed})"
     for name, g, w in zip(("dq", "dk", "dv"), grads, want):
         err = rel(cp.asnumpy(to_bhnd(g, layout).astype(cp.float32)), cp.asnumpy(w.astype(cp.float32)))
         assert err <= TOL[dtype], f"{name}: {err:.2e} from omnicupy's backward (seed {seed})"
@@ -111,6 +111,7 @@ def test_runs_on_xlas_stream_with_xlas_memory():
     q, k, v, _ = inputs(new_seed())
     bm = BlockMask.from_mask_mod(masks.sliding_window(64), None, None, N, N)
     loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(oj.attention(q, k, v, bm).astype(jnp.float32))))
+    loss(q, k, v).block_until_ready()  # traced (the mask's tables built at trace time, in CuPy's pool)
     jax_exec.last_stream[0] = 0
     cp.cuda.set_allocator(refuse)  # process-wide: XLA may call the handler from a thread of its own
     try:

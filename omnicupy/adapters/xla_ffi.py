@@ -91,6 +91,15 @@ class ErrorCreateArgs(Structure):
                 ("errc", c_int)]
 
 
+class ErrorGetMessageArgs(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", POINTER(ExtensionBase)), ("error", c_void_p),
+                ("message", c_char_p)]
+
+
+class ErrorDestroyArgs(Structure):
+    _fields_ = [("struct_size", c_size_t), ("extension_start", POINTER(ExtensionBase)), ("error", c_void_p)]
+
+
 class StreamGetArgs(Structure):
     _fields_ = [("struct_size", c_size_t), ("extension_start", POINTER(ExtensionBase)), ("ctx", c_void_p),
                 ("stream", c_void_p)]
@@ -112,6 +121,8 @@ class DeviceOrdinalArgs(Structure):
 
 
 _ERROR_CREATE = ctypes.CFUNCTYPE(c_void_p, POINTER(ErrorCreateArgs))
+_ERROR_MESSAGE = ctypes.CFUNCTYPE(None, POINTER(ErrorGetMessageArgs))
+_ERROR_DESTROY = ctypes.CFUNCTYPE(None, POINTER(ErrorDestroyArgs))
 _STREAM_GET = ctypes.CFUNCTYPE(c_void_p, POINTER(StreamGetArgs))
 _ALLOCATE = ctypes.CFUNCTYPE(c_void_p, POINTER(AllocateArgs))
 _FREE = ctypes.CFUNCTYPE(c_void_p, POINTER(FreeArgs))
@@ -122,8 +133,8 @@ class Api(Structure):
     """XLA_FFI_Api: the function table, in c_api.h's order (unused entries as plain pointers)."""
 
     _fields_ = [("struct_size", c_size_t), ("extension_start", POINTER(ExtensionBase)), ("api_version", ApiVersion),
-                ("internal_api", c_void_p), ("Error_Create", _ERROR_CREATE), ("Error_GetMessage", c_void_p),
-                ("Error_Destroy", c_void_p), ("Handler_Register", c_void_p), ("Stream_Get", _STREAM_GET),
+                ("internal_api", c_void_p), ("Error_Create", _ERROR_CREATE), ("Error_GetMessage", _ERROR_MESSAGE),
+                ("Error_Destroy", _ERROR_DESTROY), ("Handler_Register", c_void_p), ("Stream_Get", _STREAM_GET),
                 ("Type_Register", c_void_p), ("ExecutionContext_Get", c_void_p), ("State_Set", c_void_p),
                 ("State_Get", c_void_p), ("DeviceMemory_Allocate", _ALLOCATE), ("DeviceMemory_Free", _FREE),
                 ("ThreadPool_Schedule", c_void_p), ("ThreadPool_NumThreads", c_void_p), ("Future_Create", c_void_p),
@@ -173,8 +184,14 @@ class Frame:
         self.attrs = _attributes(raw.attrs)
 
     def _check(self, err: Optional[int], what: str) -> None:
-        if err:
-            raise FfiError(f"XLA FFI {what} failed")
+        """Raises FfiError with XLA's message if ``err`` (an XLA_FFI_Error*) is set, freeing it."""
+        if not err:
+            return
+        args = ErrorGetMessageArgs(ctypes.sizeof(ErrorGetMessageArgs), None, err, None)
+        self._api.Error_GetMessage(ctypes.byref(args))
+        message = (args.message or b"").decode("utf-8", "replace")
+        self._api.Error_Destroy(ctypes.byref(ErrorDestroyArgs(ctypes.sizeof(ErrorDestroyArgs), None, err)))
+        raise FfiError(f"XLA FFI {what} failed: {message}")
 
     def stream(self) -> int:
         args = StreamGetArgs(ctypes.sizeof(StreamGetArgs), None, self._raw.ctx, None)
