@@ -139,6 +139,24 @@ def _attend_bwd(key: int, residuals, dout):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attend_with_lse(q, k, v, key: int):
+    return tuple(_forward_call(q, k, v, key))
+
+
+def _attend_with_lse_fwd(q, k, v, key: int):
+    out, lse = _forward_call(q, k, v, key)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attend_with_lse_bwd(key: int, residuals, cotangents):
+    dout, _dlse = cotangents  # the LSE gets no gradient (attention() stops it)
+    return _attend_bwd(key, residuals, dout)
+
+
+_attend_with_lse.defvjp(_attend_with_lse_fwd, _attend_with_lse_bwd)
+
+
 def attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False,
               scale: Optional[float] = None, score_mod: Any = None, layout: str = "BNHD",
               deterministic: bool = False, fuse_mask: bool = False, return_lse: bool = False):
@@ -161,7 +179,7 @@ def attention(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *,
                                         layout=layout))
     _prepare(bm)
     if return_lse:
-        out, lse = _forward_call(q, k, v, key)
+        out, lse = _attend_with_lse(q, k, v, key)
         return out, jax.lax.stop_gradient(lse)
     return _attend(q, k, v, key)
 

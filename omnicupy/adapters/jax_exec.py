@@ -97,7 +97,8 @@ def forward(frame: Frame) -> None:
         out, lse = bhnd(frame.rets[0], spec.layout, device), rows(frame.rets[1], device)
         _, got = _attention(q, k, v, spec.block_mask, causal=spec.causal, scale=spec.scale, return_lse=True, out=out,
                             score_mod=spec.score_mod, fuse_mask=spec.fuse_mask)
-        lse[...] = got
+        # both dense [B, H, N] fp32: one copy on XLA's stream (CuPy's current one here)
+        lse.data.copy_from_device_async(got.data, got.nbytes, glue.cupy().cuda.get_current_stream())
         del got, q, k, v, out, lse
 
 
