@@ -9,8 +9,9 @@ the forward's registered autograd. Needs torch >= 2.4 (``torch.library.custom_op
 
 ``spec`` is a key of adapters/specs.py (mask, causal, scale, score modifier, ...). Every output is
 allocated here with ``torch.empty*`` on the inputs' device, and every allocation omnicupy makes
-inside the call (workspaces, its own LSE) comes from torch's caching allocator too
-(glue.allocating_with), on torch's current stream (glue.on_stream): no host synchronization and no
+inside a steady-state call (workspaces, its own LSE) comes from torch's caching allocator too
+(glue.allocating_with; a signature's first call, which fills omnicupy's caches, uses CuPy's pool:
+``torch_context``), on torch's current stream (glue.on_stream): no host synchronization and no
 memory torch does not know of, so CUDA graphs (``mode="reduce-overhead"``) capture the calls. The
 LSE omnicupy returns is copied into the op's own ``lse`` output (``[B, Hq, Nq]`` fp32: a few µs
 against the attention's milliseconds), because ``attention()`` takes no LSE buffer.
@@ -33,9 +34,24 @@ from . import glue, specs
 Tensor = torch.Tensor
 
 
+#: Call signatures that ran once: their caches (a mask's device tables, launch orders, the decode's
+#: counters) exist, so later calls allocate only transient memory.
+_warm: set = set()
+
+
+def signature(name: str, spec: int, *tensors: Optional[Tensor]) -> tuple:
+    """What decides which of omnicupy's caches a call fills: the operator, the options and the
+    tensors' device, shapes, strides and dtypes."""
+    return (name, spec, *(None if t is None else (t.device, t.dtype, tuple(t.shape), t.stride()) for t in tensors))
+
+
 @contextlib.contextmanager
-def torch_context(device: torch.device) -> Iterator[None]:
-    """omnicupy launches on torch's current stream of ``device`` and allocates from torch."""
+def torch_context(device: torch.device, call: tuple) -> Iterator[None]:
+    """omnicupy launches on torch's current stream of ``device``. A call signature's first call
+    allocates from CuPy's pool: what omnicupy caches then (kept for the process) stays out of
+    torch's memory, whose CUDA-graph pools may be rewound under it. Every later call of the
+    signature only allocates memory it drops before returning: from torch's caching allocator,
+    so that a CUDA graph captures nothing but torch memory."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
 
@@ -43,8 +59,13 @@ def torch_context(device: torch.device) -> Iterator[None]:
         block = torch.empty(size, dtype=torch.uint8, device=device)
         return block.data_ptr(), block  # the tensor is the owner: freed (stream-ordered) when CuPy drops it
 
-    with glue.on_stream(index, stream.cuda_stream), glue.allocating_with(alloc, index):
-        yield
+    with glue.on_stream(index, stream.cuda_stream):
+        if call not in _warm:
+            yield
+            _warm.add(call)
+            return
+        with glue.allocating_with(alloc, index):
+            yield
 
 
 def _cp(x: Optional[Tensor]):
@@ -69,7 +90,7 @@ def _take_lse(lse: Tensor, got) -> None:
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], spec: int) -> tuple[Tensor, Tensor]:
     s = specs.lookup(spec)
     out, lse = torch.empty_like(q), _lse_like(q)
-    with torch_context(q.device):
+    with torch_context(q.device, signature("fwd", spec, q, k, v, bias)):
         _, got = _attention(_cp(q), _cp(k), _cp(v), s.block_mask, causal=s.causal, scale=s.scale, return_lse=True,
                             out=_cp(out), bias=_cp(bias), score_mod=s.score_mod, fuse_mask=s.fuse_mask)
         _take_lse(lse, got)
@@ -87,7 +108,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   spec: int) -> tuple[Tensor, Tensor, Tensor]:
     s = specs.lookup(spec)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    with torch_context(q.device):
+    with torch_context(q.device, signature("bwd", spec, dout, q, k, v, out, bias)):
         attention_backward(_cp(dout), _cp(q), _cp(k), _cp(v), _cp(out), _cp(lse), s.block_mask, causal=s.causal,
                            scale=s.scale, bias=_cp(bias), score_mod=s.score_mod, deterministic=s.deterministic,
                            dq=_cp(dq), dk=_cp(dk), dv=_cp(dv), fuse_mask=s.fuse_mask)
@@ -124,7 +145,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, kv_lens: Optional[Tensor], bias: Opt
            spec: int) -> tuple[Tensor, Tensor]:
     s = specs.lookup(spec)
     out, lse = torch.empty_like(q), _lse_like(q)
-    with torch_context(q.device):
+    with torch_context(q.device, signature("decode", spec, q, k, v, kv_lens, bias)):
         _, got = _attention(_cp(q), _cp(k), _cp(v), s.block_mask, causal=s.causal, scale=s.scale, return_lse=True,
                             out=_cp(out), bias=_cp(bias), score_mod=s.score_mod, kv_lens=_cp(kv_lens),
                             num_splits=s.num_splits)
@@ -142,7 +163,7 @@ def paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, kv_le
           spec: int) -> tuple[Tensor, Tensor]:
     s = specs.lookup(spec)
     out, lse = torch.empty_like(q), _lse_like(q)
-    with torch_context(q.device):
+    with torch_context(q.device, signature("paged", spec, q, k_pages, v_pages, page_table, kv_lens)):
         _, got = _paged_attention(_cp(q), _cp(k_pages), _cp(v_pages), _cp(page_table), _cp(kv_lens),
                                   causal=bool(s.causal), window=s.window, scale=s.scale, score_mod=s.score_mod,
                                   return_lse=True, out=_cp(out), layout=s.layout, num_splits=s.num_splits,
