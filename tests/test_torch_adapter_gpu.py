@@ -258,3 +258,17 @@ def test_paged_operator_matches_omnicupy():
     got = torch.compile(ot.paged_attention, fullgraph=True)(q, k, v, table, lens)
     want = omnicupy.paged_attention(*(cp.from_dlpack(x) for x in (q, k, v, table, lens)))
     torch.testing.assert_close(got, torch.from_dlpack(want), rtol=1e-3, atol=1e-3, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_opcheck(layout):
+    """torch.library.opcheck: schema, fake against real outputs (shapes, strides, dtypes), autograd
+    registration, AOT dispatch. Deterministic dQ: opcheck compares two runs' gradients."""
+    from omnicupy.adapters import specs
+
+    q, k, v = _inputs(new_seed(), N=256)
+    if layout == "bhnd":
+        q, k, v = (x.contiguous() for x in (q, k, v))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    key = specs.register(specs.CallSpec(None, True, None, None, True, False))
+    torch.library.opcheck(torch.ops.omnicupy.attention_fwd.default, (q, k, v, None, key))
