@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import PACKAGE_PARENT
+from conftest import PACKAGE_PARENT, SOURCE_TREE
 
 
 def run(code: str) -> subprocess.CompletedProcess:
@@ -60,7 +60,7 @@ def test_adapter_examples_exit_cleanly_without_a_gpu(script):
 
     if arrays.gpu_available():
         pytest.skip("a GPU is here: the example would train (the GPU run checks it)")
-    got = subprocess.run([sys.executable, str(PACKAGE_PARENT / "examples" / script)], capture_output=True, text=True,
+    got = subprocess.run([sys.executable, str(SOURCE_TREE / "examples" / script)], capture_output=True, text=True,
                          cwd=PACKAGE_PARENT, timeout=300)
     assert got.returncode == 0, got.stderr
     assert "needs an NVIDIA GPU" in got.stdout
