@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import ctypes
 
+import os
+
 import numpy as np
 import pytest
+
+# Other suites in the same process (CuPy, torch) need memory too: XLA grows its pool on demand.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

@@ -3,11 +3,16 @@ buffers (same kernels), against jax.nn.dot_product_attention with an explicit ma
 bf16, both layouts, vmap, XLA's stream and allocator, and errors raised inside the custom call."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-import omnicupy
-from omnicupy import BlockMask, masks
+# Other suites in the same process (CuPy, torch) need memory too: XLA grows its pool on demand.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import omnicupy  # noqa: E402
+from omnicupy import BlockMask, masks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 jax = pytest.importorskip("jax")
