@@ -2,7 +2,7 @@
 
 1. Plain CuPy: the forward (``omnicupy.attention(..., return_lse=True)``), the backward
    (``omnicupy.attention_backward``) and the chain rule through the projections by hand.
-2. PyTorch (if installed): ``omnicupy.torch_autograd.attention`` inside an ``nn.Module``, trained
+2. PyTorch (if installed): ``omnicupy.torch.attention`` inside an ``nn.Module``, trained
    with ``loss.backward()`` and an optimizer; tensors go to omnicupy zero-copy, on torch's stream.
 
 Both learn to reproduce the output of a hidden "teacher" layer under a packed-documents mask
@@ -74,7 +74,7 @@ def with_torch(bm: BlockMask) -> list[float] | None:
     if not torch.cuda.is_available():
         print("torch: installed without CUDA, skipped")
         return None
-    from omnicupy.torch_autograd import attention
+    from omnicupy.torch import attention
 
     class Layer(torch.nn.Module):
         def __init__(self):

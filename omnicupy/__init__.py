@@ -28,7 +28,8 @@ __all__ = [
     "ArgumentError", "CompileError", "KVCacheError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 
-_LAZY_SUBMODULES = {"masks", "mask", "cli", "jit", "dispatch", "ops", "score_mods", "distributed"}
+# "torch" and "jax": the framework adapters, imported (with their framework) only when asked for.
+_LAZY_SUBMODULES = {"masks", "mask", "cli", "jit", "dispatch", "ops", "score_mods", "distributed", "torch", "jax"}
 
 
 def __getattr__(name: str):

@@ -55,3 +55,8 @@ class CacheError(OmnicupyError):
 class HeadDimError(ArgumentError):
     """A head dim the kernels cannot take: not a multiple of 8 (rows must be whole 16-byte chunks)
     or outside 8..256."""
+
+
+class MissingDependencyError(OmnicupyError, ImportError):
+    """An optional dependency an omnicupy module needs is not installed (torch for omnicupy.torch,
+    jax for omnicupy.jax); the message names the install extra."""
