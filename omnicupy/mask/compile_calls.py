@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import compile_ir as ir
-from .compile_frontend import HELPERS, Local, fetch, Namespace, Ref, Row, Scope, Translator, _is_array, _is_python
+from .compile_frontend import _NAMESPACE_NAMES, HELPERS, Local, fetch, Namespace, Ref, Row, Scope, Translator, _is_array, _is_python
 from .mask_mod import LookupTable, MaskMod
 
 _ARRAY_MODULES = ("numpy", "cupy", "torch", "jax", "math")
@@ -48,6 +48,8 @@ def attribute(tr: Translator, base: Any, e: ast.Attribute) -> Any:
         v = base.value
         if isinstance(v, types.ModuleType) and v.__name__.split(".")[0] in _ARRAY_MODULES:
             return ArrayFunction(name)
+        if base.path and base.path[-1][-1] in _NAMESPACE_NAMES and not _is_array(v):
+            return ArrayFunction(name)  # an array module by its usual name (xp, np, torch, ...)
         if isinstance(v, LookupTable) and name in ("lookup", "on"):
             return Method(base, name)
         if _is_array(v) and name not in ("shape", "ndim", "size"):

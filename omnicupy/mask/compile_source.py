@@ -72,8 +72,8 @@ def _find(code: types.CodeType, what: str) -> FunctionNode:
 
 
 def _same_code(node: FunctionNode, code: types.CodeType) -> bool:
-    """Whether compiling ``node`` alone gives ``code``'s bytecode (free names compile as globals,
-    so only the instructions' shape and the constants are compared)."""
+    """Whether compiling ``node`` alone gives code like ``code`` (free names compile as globals and
+    the bytecode differs with the context, so names, variables and constants are compared)."""
     try:
         wrapper = ast.Expression(node) if isinstance(node, ast.Lambda) else ast.Module([node], [])
         compiled = compile(ast.fix_missing_locations(wrapper), code.co_filename, "eval" if isinstance(node, ast.Lambda)
@@ -81,7 +81,7 @@ def _same_code(node: FunctionNode, code: types.CodeType) -> bool:
     except (SyntaxError, ValueError, TypeError):
         return False
     made = [c for c in compiled.co_consts if isinstance(c, types.CodeType)]
-    return any(len(c.co_code) == len(code.co_code) and c.co_varnames == code.co_varnames
+    return any(c.co_names == code.co_names and c.co_varnames == code.co_varnames
                and [k for k in c.co_consts if not isinstance(k, types.CodeType)]
                == [k for k in code.co_consts if not isinstance(k, types.CodeType)] for c in made)
 
