@@ -457,6 +457,9 @@ class Translator:
         n = self.node(v, e)
         if isinstance(e.op, ast.UAdd):
             return n
+        if isinstance(e.op, ast.Invert) and n.kind == "bool" and not _traced(n):
+            # Closure values are Python's: ~ of a Python bool is an int (~False == -1), unlike a mask's ~.
+            raise self.refuse(e, "'~' of a boolean made of closure values only (in Python ~False is -1): use 'not'")
         if isinstance(e.op, ast.Not) or (isinstance(e.op, ast.Invert) and n.kind == "bool"):
             if n.kind != "bool":
                 raise self.refuse(e, "'not' of a non-boolean value")
@@ -464,6 +467,11 @@ class Translator:
         if n.kind == "bool":
             raise self.refuse(e, "'-' of a boolean")
         return ir.Unary("int", line, "neg" if isinstance(e.op, ast.USub) else "invert", n)
+
+
+def _traced(n: ir.Node) -> bool:
+    """Whether a node reads an index name or a table (NumPy / torch values), not only closure numbers."""
+    return isinstance(n, (ir.Axis, ir.Lookup)) or any(_traced(c) for c in ir.children(n))
 
 
 def _is_python(v: Any) -> bool:
