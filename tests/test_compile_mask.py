@@ -277,3 +277,38 @@ def test_fallback_is_logged_once(caplog):
     said = [r for r in caplog.records if "not compiled to CUDA" in r.getMessage()]
     assert len(said) == 1 and "if statement" in said[0].getMessage() and "line" in said[0].getMessage()
     assert cm.for_build(vectorized, 1, 1, 64, 64) is not None
+
+
+# ------------------------------------------------------------- the hardening branch's index rule
+def _index_rule_landed() -> bool:
+    """Whether cuda_mask refuses an index that could leave its array (the hardening issue's rule,
+    on another branch): these tests run once both branches are merged."""
+    try:
+        omnicupy.cuda_mask("t[q_idx + kv_idx] > 0", arrays={"t": np.ones(64, np.int32)})
+    except omnicupy.mask.expressions.ExpressionError:
+        return True
+    return False
+
+
+needs_index_rule = pytest.mark.skipif(not _index_rule_landed(), reason="needs the index rule of the hardening "
+                                      "branch (issue 36); runs after the merge")
+
+
+@needs_index_rule
+@pytest.mark.parametrize("text, extents", [
+    pytest.param("t[q_idx + kv_idx] > 0", None, id="sum-of-axes"),
+    pytest.param("t[q_idx - kv_idx] > 0", None, id="difference"),
+    pytest.param("t[q_idx + 1] > 0", {"t": "q_idx"}, id="past-its-extent"),
+])
+def test_index_rule_refuses_the_issue_cases(text, extents):
+    with pytest.raises(omnicupy.mask.expressions.ExpressionError):
+        omnicupy.cuda_mask(text, arrays={"t": np.ones(64, np.int32)}, extents=extents)
+
+
+@needs_index_rule
+@pytest.mark.parametrize("fn", [pytest.param(f, id=i) for i, f, _ in SUPPORTED])
+def test_compiled_indices_pass_the_index_rule(fn):
+    """Every index form the compiler writes (s_x[0], t[q_idx], t[q_idx / 4], t[min(.., n)], the 2-D
+    t[b * cols + q_idx], nested lookups) is accepted by the rule: compile_mask makes its CudaExpr
+    through CudaExpr.make, which applies it (a refusal is a MaskError here)."""
+    assert omnicupy.compile_mask(fn).cuda.array_decls is not None
