@@ -82,6 +82,13 @@ class Scope:
         self.parent, self.fn, self.path = parent, fn, path
 
 
+def scalar_signature(value: Any) -> tuple:
+    """A closure number read as data: its type, and whether it is positive."""
+    if isinstance(value, (bool, np.bool_)):
+        return ("bool",)
+    return ("int", "positive" if value > 0 else "any")
+
+
 def signature(value: Any) -> tuple:
     """What of a closure value the tree depends on (values read as data are slots, not here)."""
     if isinstance(value, (bool, np.bool_)):
@@ -179,7 +186,9 @@ class Translator:
                 raise self.refuse(at, f"the number {value}, which does not fit the kernels' 32-bit ints")
             kind = "bool" if isinstance(value, bool) else "int"
             if isinstance(v, Ref):
-                return ir.Scalar(kind, line, self.slot(v, "scalar"))
+                sig = scalar_signature(raw)  # positive numbers divide with C's own / and %
+                self.checks[v.path] = sig
+                return ir.Scalar(kind, line, self.slot(v, "scalar"), sig == ("int", "positive"))
             return ir.Const(kind, line, value)
         if isinstance(raw, (float, np.floating)):
             raise self.refuse(at, f"the float {raw!r}: compiled masks compute in integers, exactly")
@@ -481,4 +490,4 @@ def _is_python(v: Any) -> bool:
 
 HELPERS = {as_bool_result: "first", array_module_of: "namespace", arrays.array_namespace: "namespace"}
 
-__all__ = ["Translator", "Scope", "Ref", "Row", "Local", "Namespace", "signature", "fetch", "HELPERS"]
+__all__ = ["Translator", "Scope", "Ref", "Row", "Local", "Namespace", "signature", "scalar_signature", "fetch", "HELPERS"]

@@ -11,8 +11,9 @@ closure value: the text never depends on a value, only on the tree.
 Floor division and modulo (Python's semantics) are written with C's truncating operators:
 ``x // y`` is ``x / y - (x % y != 0 && (x % y < 0) != (y < 0))`` and ``x % y`` is
 ``x % y + (x % y != 0 && (x % y < 0) != (y < 0) ? y : 0)``; when ``x`` is non-negative by its form
-(axis names, non-negative literals, sums and products of those) and ``y`` a positive literal, the
-two agree with plain ``/`` and ``%``, which are emitted.
+(axis names, non-negative literals, sums and products of those) and ``y`` a positive literal or a
+closure number the translation was made positive for, the two agree with plain ``/`` and ``%``,
+which are emitted.
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ class Axis(Node):
 
 @dataclass(frozen=True)
 class Scalar(Node):
-    """A closure number, read from a one-element kernel argument array ``slot[0]``."""
+    """A closure number, read from a one-element kernel argument array ``slot[0]``; ``positive``:
+    the translation was made for positive values of it (part of its signature)."""
     slot: str
+    positive: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ def nonnegative_form(n: Node) -> bool:
         return True
     if isinstance(n, Const):
         return n.kind == "int" and n.value >= 0
+    if isinstance(n, Scalar):
+        return n.positive
     if isinstance(n, Abs):
         return True
     if isinstance(n, Binary):
@@ -115,7 +120,7 @@ def nonnegative_form(n: Node) -> bool:
 
 
 def _positive_literal(n: Node) -> bool:
-    return isinstance(n, Const) and n.kind == "int" and n.value > 0
+    return (isinstance(n, Const) and n.kind == "int" and n.value > 0) or (isinstance(n, Scalar) and n.positive)
 
 
 def _simple_division(n: Binary) -> bool:

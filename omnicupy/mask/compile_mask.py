@@ -37,7 +37,7 @@ from ..errors import MaskError, OmnicupyError
 from . import compile_check
 from . import compile_ir as ir
 from .compile_calls import MaskTranslator
-from .compile_frontend import fetch, signature
+from .compile_frontend import fetch, scalar_signature, signature
 from .expressions import CudaExpr, CudaMask
 from .mask_mod import MaskMod, name_of
 
@@ -73,6 +73,8 @@ def _root_code(mask_mod: Any, what: str) -> types.CodeType:
 def _current(value: Any, recorded: tuple) -> tuple:
     if recorded and recorded[0] == "value":
         return ("value", value)
+    if recorded[:1] == ("int",) and len(recorded) == 2 or recorded == ("bool",):
+        return scalar_signature(value) if isinstance(value, (int, np.integer)) else signature(value)
     sig = signature(value)
     cols = [r for r in recorded if isinstance(r, tuple) and r and r[0] == "cols"]
     if cols and hasattr(value, "shape") and len(value.shape) == 2:
