@@ -87,6 +87,16 @@ def _for_loop(b, h, q_idx, kv_idx):
     return result
 
 
+_INTERVALS = np.array([[0, 30], [20, 70], [50, 90], [85, 120]])
+_IMAGE_OF_KV = np.repeat(np.arange(4), 30)
+
+
+def _flamingo(b, h, q_idx, kv_idx):
+    """attention-gym's Flamingo mask as written for flex's vmap (an interval row, then its items)."""
+    interval = _INTERVALS[_IMAGE_OF_KV[kv_idx]]
+    return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+
 # (id, mask_mod, compared with scalar calls) -- each row one construct
 SUPPORTED = [
     ("chained_compare", lambda b, h, q, kv: (0 <= q - kv) & (q - kv < 11), False),
@@ -119,6 +129,7 @@ SUPPORTED = [
     ("zoo_dilated", masks.dilated_sliding_window(6, 3), False),
     ("reduce_operator", lambda b, h, q, kv: functools.reduce(operator.or_, (q == kv + d for d in (0, 3, 9))), False),
     ("constant_true", lambda b, h, q, kv: True, True),
+    ("flamingo_vmap_style", _flamingo, True),
 ]
 
 

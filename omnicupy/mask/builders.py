@@ -255,8 +255,8 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     Hm = 1 if H is None else _check_positive_int(H, "H")
     q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
     # A plain Python function is evaluated as its compiled CUDA expression where it translates (else as it is,
-    # logged once); the mask records the caller's function.
-    compiled = compile_mask.for_build(mask_mod, Bm, Hm, q_len, kv_len)
+    # logged once; an explicit mode keeps today's evaluation); the mask records the caller's function.
+    compiled = compile_mask.for_build(mask_mod, Bm, Hm, q_len, kv_len) if mode == "auto" else None
     build = _Build(compiled or mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs,
                    default_array_module() if xp is None else xp, mode, recorded=mask_mod)
     windows = None

@@ -54,6 +54,8 @@ class Template:
     text: str
 
 
+#: ``for_build`` compiles plain functions (tests of the Python evaluation path turn it off).
+ENABLED = True
 _templates: dict = {}   # root code object -> [Template, ...]
 _logged: set = set()    # code objects whose fallback was logged
 
@@ -220,7 +222,7 @@ def for_build(mask_mod: Any, batch: int, heads: int, q_len: int, kv_len: int) ->
     """For ``BlockMask.from_mask_mod``: the compiled form of a plain Python function when it applies
     to these sizes, else None (the reason logged once per code object). MaskMods (which carry their
     block structure) and CudaMasks are left as they are."""
-    if not isinstance(mask_mod, types.FunctionType):
+    if not ENABLED or not isinstance(mask_mod, types.FunctionType):
         return None
     try:
         compiled = compile_mask(mask_mod)
