@@ -160,24 +160,24 @@ def array_function(tr: Translator, name: str, args: list, kwargs: dict, at: Any)
     if name == "where" and len(args) == 3:
         return _where(tr, at, *args)
     if name in ("minimum", "maximum") and len(args) == 2:
-        return _minmax(tr, name[:3], *args, at)
+        return _minmax(tr, name[:3], args[0], args[1], at)
     if name in ("abs", "absolute") and len(args) == 1:
         return _abs(tr, at, args[0])
     if name in ("logical_and", "logical_or") and len(args) == 2:
-        return tr.logical(name[8:], *args, at)
+        return tr.logical(name[8:], args[0], args[1], at)
     if name == "logical_xor" and len(args) == 2:
         return tr.binop("^", tr.node(args[0], at), tr.node(args[1], at), at)
     if name == "logical_not" and len(args) == 1:
         return _not(tr, at, args[0])
     if name in ("bitwise_and", "bitwise_or", "bitwise_xor") and len(args) == 2:
-        return tr.binop({"and": "&", "or": "|", "xor": "^"}[name[8:]], *args, at)
+        return tr.binop({"and": "&", "or": "|", "xor": "^"}[name[8:]], args[0], args[1], at)
     if name in ("bitwise_not", "invert") and len(args) == 1:
         n = tr.node(args[0], at)
         return ir.Unary(n.kind, at.lineno, "not" if n.kind == "bool" else "invert", n)
     if name == "floor_divide" and len(args) == 2:
-        return tr.binop("//", *args, at)
+        return tr.binop("//", args[0], args[1], at)
     if name in ("remainder", "mod") and len(args) == 2:
-        return tr.binop("%", *args, at)
+        return tr.binop("%", args[0], args[1], at)
     if name == "fmod" and len(args) == 2:
         nx, ny = tr.node(args[0], at), tr.node(args[1], at)
         return ir.Binary("int", at.lineno, "fmod", nx, ny)
@@ -186,7 +186,7 @@ def array_function(tr: Translator, name: str, args: list, kwargs: dict, at: Any)
         high = args[2] if len(args) > 2 else kwargs.get("max", kwargs.get("a_max"))
         return _clamp(tr, at, args[0], low, high)
     if name in _COMPARE and len(args) == 2:
-        return tr.compare(_COMPARE[name], *args, at)
+        return tr.compare(_COMPARE[name], args[0], args[1], at)
     if name in ("asarray", "array", "tensor", "as_tensor") and len(args) >= 1 and _is_python(args[0]):
         return args[0]
     if name in ("ones_like", "zeros_like", "full_like"):
@@ -213,7 +213,7 @@ def apply(tr: Translator, fn: Any, args: list, kwargs: dict, at: Any) -> Any:
     if f in HELPERS:
         return args[0] if HELPERS[f] == "first" else Namespace()
     if f in _OPERATORS and len(args) == 2:
-        return tr.binop(_OPERATORS[f], *args, at)
+        return tr.binop(_OPERATORS[f], args[0], args[1], at)
     if f is functools.reduce and len(args) in (2, 3):
         items = tr.sequence(args[1], at)
         if len(args) == 3:
@@ -224,7 +224,7 @@ def apply(tr: Translator, fn: Any, args: list, kwargs: dict, at: Any) -> Any:
     if f is builtins.min or f is builtins.max:
         if len(args) != 2:
             raise tr.refuse(at, f"{f.__name__}() of {len(args)} arguments (two: elementwise)")
-        return _minmax(tr, f.__name__, *args, at)
+        return _minmax(tr, f.__name__, args[0], args[1], at)
     if f is builtins.abs and len(args) == 1:
         return _abs(tr, at, args[0])
     if f is builtins.len and len(args) == 1 and isinstance(args[0], Ref):

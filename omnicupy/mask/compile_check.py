@@ -161,8 +161,8 @@ class _Pass:
                 raise self.refuse(n.y, f"may be 0 here (its values span [{c}, {d}]) and divides: the result "
                                        "would be undefined in the kernel")
             if n.op == "//":
-                corners = [x // y for x in (a, b) for y in (c, d)]
-                return min(corners), max(corners)
+                quotients = [x // y for x in (a, b) for y in (c, d)]
+                return min(quotients), max(quotients)
             if n.op == "fmod":
                 m = max(abs(c), abs(d)) - 1
                 return (0 if a >= 0 else -m), (0 if b <= 0 else m)

@@ -121,7 +121,8 @@ def fetch(root: Any, path: tuple) -> Any:
     """The value at ``path`` from ``root`` (the steps ``Translator`` records)."""
     v = root
     for step in path:
-        kind, arg = step[0], step[1] if len(step) > 1 else None
+        kind: str = step[0]
+        arg: Any = step[1] if len(step) > 1 else None
         if kind == "free":
             v = v.__closure__[v.__code__.co_freevars.index(arg)].cell_contents
         elif kind == "global":
@@ -231,13 +232,13 @@ class Translator:
                 if fn is not None:
                     bound[p] = self.ref(fn.__defaults__[i - first_default], path + (("default", i - first_default),))
                 else:
-                    bound[p] = self.expr(a.defaults[i - first_default], scope.parent)
+                    bound[p] = self.expr(a.defaults[i - first_default], scope.parent or scope)
         for p, d in zip(a.kwonlyargs, a.kw_defaults):
             if p.arg not in bound:
                 if d is None:
                     raise self.refuse(at, f"a call without the keyword argument {p.arg!r}")
                 bound[p.arg] = (self.ref(fn.__kwdefaults__[p.arg], path + (("kwdefault", p.arg),)) if fn is not None
-                                else self.expr(d, scope.parent))
+                                else self.expr(d, scope.parent or scope))
         scope.names.update(bound)
 
     def run_function(self, node, scope: Scope, at: Any) -> Any:
@@ -329,7 +330,7 @@ class Translator:
         raise self.refuse(at, "iteration over something that is not a tuple or list known when compiling")
 
     def lookup(self, name: str, scope: Scope, at: Any) -> Any:
-        s = scope
+        s: Optional[Scope] = scope
         while s is not None:
             if name in s.names:
                 return s.names[name]
@@ -373,16 +374,16 @@ class Translator:
                                     values)
         if isinstance(e, ast.Compare):
             left, out = self.expr(e.left, scope), None
-            for op, right_e in zip(e.ops, e.comparators):
+            for cmp, right_e in zip(e.ops, e.comparators):
                 right = self.expr(right_e, scope)
-                if type(op) not in _PY_CMP:
-                    if isinstance(op, (ast.Is, ast.IsNot)):
+                if type(cmp) not in _PY_CMP:
+                    if isinstance(cmp, (ast.Is, ast.IsNot)):
                         same = self.static(left, e, "'is' on a traced value") is self.static(right, e, "'is'")
-                        part = same if isinstance(op, ast.Is) else not same
+                        part = same if isinstance(cmp, ast.Is) else not same
                     else:
-                        raise self.refuse(e, f"the comparison {type(op).__name__}")
+                        raise self.refuse(e, f"the comparison {type(cmp).__name__}")
                 else:
-                    part = self.compare(_PY_CMP[type(op)], left, right, e)
+                    part = self.compare(_PY_CMP[type(cmp)], left, right, e)
                 out = part if out is None else self.logical("and", out, part, e)
                 left = right
             return out
@@ -461,8 +462,9 @@ class Translator:
     def unary(self, e: Any, v: Any) -> Any:
         line = e.lineno
         if _is_python(v):
-            return {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert,
-                    ast.Not: operator.not_}[type(e.op)](v)
+            fold: Any = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert,
+                         ast.Not: operator.not_}[type(e.op)]
+            return fold(v)
         n = self.node(v, e)
         if isinstance(e.op, ast.UAdd):
             return n

@@ -234,9 +234,9 @@ def evaluate(n: Node, env: Mapping[str, Any], values: Values):
         off = (r != 0) & ((r < 0) != (y < 0))
         return (q - off).astype(np.int32) if n.op == "//" else np.where(off, r + y, r).astype(np.int32)
     with np.errstate(over="ignore"):
-        fn = {"+": np.add, "-": np.subtract, "*": np.multiply, "&": np.bitwise_and, "|": np.bitwise_or,
+        arith: Any = {"+": np.add, "-": np.subtract, "*": np.multiply, "&": np.bitwise_and, "|": np.bitwise_or,
               "^": np.bitwise_xor, "min": np.minimum, "max": np.maximum, "fmod": _c_mod}[n.op]
-        return np.asarray(fn(x, y)).astype(np.int32)
+        return np.asarray(arith(x, y)).astype(np.int32)
 
 
 def children(n: Node) -> tuple:

@@ -51,6 +51,7 @@ def _module(filename: str, what: str) -> ast.Module:
 def _find(code: types.CodeType, what: str) -> FunctionNode:
     tree = _module(code.co_filename, what)
     line = code.co_firstlineno
+    candidates: list = []
     if code.co_name == "<lambda>":
         candidates = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda) and n.lineno == line]
     else:
