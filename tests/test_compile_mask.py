@@ -29,6 +29,7 @@ DOC = np.repeat(np.arange(9), [5, 17, 1, 30, 8, 8, 40, 2, 9])  # 120 positions
 DOC2 = np.stack([DOC, DOC[::-1]])                            # per-batch ids [2, 120]
 FLAGS = (np.arange(120) % 3 == 0)
 N_GLOBAL, WINDOW, BLOCK = 5, 17, 8
+ZERO_D = np.array(6)  # a 0-d array (torch.tensor(6) alike) read as a number
 
 
 def _grid(n_q=70, n_kv=90, q0=0, kv0=0, batch=2, heads=3):
@@ -129,6 +130,8 @@ SUPPORTED = [
     ("zoo_dilated", masks.dilated_sliding_window(6, 3), False),
     ("reduce_operator", lambda b, h, q, kv: functools.reduce(operator.or_, (q == kv + d for d in (0, 3, 9))), False),
     ("constant_true", lambda b, h, q, kv: True, True),
+    ("len_and_shape", lambda b, h, q, kv: (q < len(DOC) - 100) | (kv >= DOC.shape[0] - 10), False),
+    ("zero_d_array_number", lambda b, h, q, kv: q - kv < ZERO_D, False),
     ("flamingo_vmap_style", _flamingo, True),
 ]
 

@@ -181,6 +181,8 @@ class Translator:
         if isinstance(v, ir.Node):
             return v
         raw = v.value if isinstance(v, Ref) else v
+        if isinstance(v, Ref) and _is_array(raw) and tuple(raw.shape) == () and "float" not in str(raw.dtype):
+            raw = raw.item()  # a 0-d int or bool array (torch.tensor(256)): a number like any other
         if isinstance(raw, (bool, np.bool_, int, np.integer)) and not isinstance(raw, type):
             value = int(raw) if not isinstance(raw, (bool, np.bool_)) else bool(raw)
             if not ir.INT32_MIN <= int(value) <= ir.INT32_MAX:

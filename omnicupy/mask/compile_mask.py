@@ -76,7 +76,9 @@ def _current(value: Any, recorded: tuple) -> tuple:
     if recorded and recorded[0] == "value":
         return ("value", value)
     if recorded[:1] == ("int",) and len(recorded) == 2 or recorded == ("bool",):
-        return scalar_signature(value) if isinstance(value, (int, np.integer)) else signature(value)
+        if hasattr(value, "shape") and tuple(value.shape) == () and hasattr(value, "item"):
+            value = value.item()  # a 0-d array read as a number
+        return scalar_signature(value) if isinstance(value, (int, np.integer, bool, np.bool_)) else signature(value)
     sig = signature(value)
     cols = [r for r in recorded if isinstance(r, tuple) and r and r[0] == "cols"]
     if cols and hasattr(value, "shape") and len(value.shape) == 2:
@@ -189,7 +191,7 @@ def compile_mask(mask_mod: Callable) -> CompiledMask:
     for path, name, kind in template.slots:
         value = fetch(mask_mod, path)
         if kind == "scalar":
-            v = int(value)
+            v = int(value.item() if hasattr(value, "item") else value)
             if not ir.INT32_MIN <= v <= ir.INT32_MAX:
                 raise MaskError(f"{what}: the closure number {name[2:]} = {v} does not fit a 32-bit int")
             scalars[name] = v
