@@ -140,14 +140,17 @@ class Run:
             bm.device_metadata()
             return bm
 
-        compiled = omnicupy.compile_mask(fn)  # not timed here: says whether the build is compiled
+        try:  # not timed here: says whether the build runs the compiled mask
+            compiled = omnicupy.compile_mask(fn).cuda.text
+        except omnicupy.MaskError as exc:
+            compiled = f"not compiled: {exc}"
         bm, ours_cold = self.timed_build(lambda: ours(fn))
         ours_warm = [self.timed_build(lambda: ours(families.examples(n, [name])[name][0]))[1]
                      for _ in range(self.args.builds)]
         fbm, flex_cold = self.timed_build(lambda: cbm(tmod, None, None, nq, nkv, device="cuda", _compile=True))
         flex_warm = [self.timed_build(lambda: cbm(tmod, None, None, nq, nkv, device="cuda", _compile=True))[1]
                      for _ in range(self.args.builds)]
-        entry = {"family": name, "seq_len": n, "q_len": nq, "kv_len": nkv, "compiled": compiled.cuda.text,
+        entry = {"family": name, "seq_len": n, "q_len": nq, "kv_len": nkv, "compiled": compiled,
                  "omnicupy_cold_ms": round(ours_cold, 3), "omnicupy_warm_ms": round(statistics.median(ours_warm), 3),
                  "flex_cold_ms": round(flex_cold, 3), "flex_warm_ms": round(statistics.median(flex_warm), 3),
                  "density": round(float(bm.summary.counts[2] + 0.5 * (bm.summary.counts[1] + bm.summary.counts[3]))
