@@ -230,6 +230,14 @@ def test_template_is_not_parsed_again(monkeypatch):
     omnicupy.compile_mask(_factory(3, 4))
 
 
+def test_inlined_functions_are_part_of_the_signature():
+    """A combinator of other masks (the same code, other functions inside) is translated again."""
+    first = omnicupy.compile_mask(masks.or_masks(masks.causal(), masks.causal()))
+    second = omnicupy.compile_mask(masks.or_masks(masks.prefix_lm(2), masks.causal()))
+    assert first.cuda.key != second.cuda.key
+    _agree(masks.or_masks(masks.prefix_lm(2), masks.causal()))
+
+
 def test_branch_on_closure_flag_keys_by_value():
     """A closure flag that picks a branch is part of the translation's signature."""
     causal, free = masks.document(DOC, causal=True), masks.document(DOC, causal=False)

@@ -200,6 +200,7 @@ class Translator:
     # -------------------------------------------------------------- functions
     def call_function(self, fn: Any, path: tuple, args: list, kwargs: dict, at: Any) -> Any:
         """Inline a Python function (or a MaskMod's) with these argument values."""
+        self.checks[path] = signature(fn)  # the tree is this function's: another code is another tree
         if isinstance(fn, MaskMod):
             return self.call_function(fn.fn, path + (("attr", "fn"),), args, kwargs, at)
         if isinstance(fn, functools.partial):

@@ -221,10 +221,13 @@ def compile_mask(mask_mod: Callable) -> CompiledMask:
 
 
 def for_build(mask_mod: Any, batch: int, heads: int, q_len: int, kv_len: int) -> Optional[CompiledMask]:
-    """For ``BlockMask.from_mask_mod``: the compiled form of a plain Python function when it applies
-    to these sizes, else None (the reason logged once per code object). MaskMods (which carry their
-    block structure) and CudaMasks are left as they are."""
-    if not ENABLED or not isinstance(mask_mod, types.FunctionType):
+    """For ``BlockMask.from_mask_mod``: the compiled form of a plain Python function, or of a MaskMod
+    without row bounds (``or_masks``, ``not_mask``, ``MaskMod(fn)``: every block is evaluated), when it
+    applies to these sizes, else None (the reason logged once per code object). MaskMods with bounds
+    (built from their structure without evaluating) and CudaMasks are left as they are."""
+    if not ENABLED:
+        return None
+    if not isinstance(mask_mod, types.FunctionType) and not (isinstance(mask_mod, MaskMod) and mask_mod.bounds is None):
         return None
     try:
         compiled = compile_mask(mask_mod)
@@ -235,7 +238,7 @@ def for_build(mask_mod: Any, batch: int, heads: int, q_len: int, kv_len: int) ->
         why = str(exc)
     except Exception as exc:  # noqa: BLE001 - the compiler never breaks a build the Python path can do
         why = f"the mask compiler failed ({type(exc).__name__}: {exc})"
-    code = mask_mod.__code__
+    code = _root_code(mask_mod, "")
     if code not in _logged:
         _logged.add(code)
         logger.info("mask_mod %s is evaluated in Python, not compiled to CUDA: %s", name_of(mask_mod), why)
