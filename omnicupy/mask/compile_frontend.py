@@ -97,6 +97,8 @@ def signature(value: Any) -> tuple:
         return ("int",)
     if isinstance(value, types.FunctionType):
         return ("fn", value.__code__)
+    if isinstance(value, (types.BuiltinFunctionType, np.ufunc)):
+        return ("builtin", value)  # reduce, operator.and_, min: which one is the tree's choice
     if isinstance(value, MaskMod):
         return ("maskmod",)
     if isinstance(value, LookupTable):
