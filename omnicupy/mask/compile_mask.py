@@ -222,12 +222,13 @@ def compile_mask(mask_mod: Callable) -> CompiledMask:
 
 def for_build(mask_mod: Any, batch: int, heads: int, q_len: int, kv_len: int) -> Optional[CompiledMask]:
     """For ``BlockMask.from_mask_mod``: the compiled form of a plain Python function, or of a MaskMod
-    without row bounds (``or_masks``, ``not_mask``, ``MaskMod(fn)``: every block is evaluated), when it
-    applies to these sizes, else None (the reason logged once per code object). MaskMods with bounds
-    (built from their structure without evaluating) and CudaMasks are left as they are."""
+    whose blocks are evaluated (no row bounds: ``or_masks``, ``not_mask``, ``MaskMod(fn)``; inexact
+    ones: dilated windows), when it applies to these sizes, else None (the reason logged once per code
+    object). MaskMods with exact bounds (built without evaluating) and CudaMasks are left as they are."""
     if not ENABLED:
         return None
-    if not isinstance(mask_mod, types.FunctionType) and not (isinstance(mask_mod, MaskMod) and mask_mod.bounds is None):
+    evaluated = isinstance(mask_mod, MaskMod) and (mask_mod.bounds is None or not mask_mod.bounds_exact)
+    if not isinstance(mask_mod, types.FunctionType) and not evaluated:
         return None
     try:
         compiled = compile_mask(mask_mod)
