@@ -8,7 +8,8 @@ _compile=True)`` and ``torch.compile(flex_attention)``), on the same Python mask
 
 Per family, N and D (B = 2, H = 16, fp16): the build of each system, cold (its first build of this
 family and N in the process: compiles included) and warm (median of ``--builds`` further builds of a
-fresh instance of the family, as a training step that rebuilds its mask every batch); then forward,
+fresh instance of the family, as a training step that rebuilds its mask every batch; omnicupy's
+uncompiled path too, for comparison); then forward,
 backward and forward+backward, each checked first against a float64 reference (sampled output rows;
 gradients of two heads in full where N <= --grad-check-max-n) and timed with triton's do_bench
 (median). ``--causal-builds``: ``causal=True`` against ``BlockMask.from_mask_mod(masks.causal())``.
@@ -147,16 +148,25 @@ class Run:
         bm, ours_cold = self.timed_build(lambda: ours(fn))
         ours_warm = [self.timed_build(lambda: ours(families.examples(n, [name])[name][0]))[1]
                      for _ in range(self.args.builds)]
+        from omnicupy.mask import compile_mask as cm
+
+        cm.ENABLED = False  # today's path, for comparison: the mask_mod evaluated through CuPy
+        try:
+            python_warm = [self.timed_build(lambda: ours(fn))[1] for _ in range(1 + self.args.builds)][1:]
+        finally:
+            cm.ENABLED = True
         fbm, flex_cold = self.timed_build(lambda: cbm(tmod, None, None, nq, nkv, device="cuda", _compile=True))
         flex_warm = [self.timed_build(lambda: cbm(tmod, None, None, nq, nkv, device="cuda", _compile=True))[1]
                      for _ in range(self.args.builds)]
         entry = {"family": name, "seq_len": n, "q_len": nq, "kv_len": nkv, "compiled": compiled,
                  "omnicupy_cold_ms": round(ours_cold, 3), "omnicupy_warm_ms": round(statistics.median(ours_warm), 3),
+                 "omnicupy_uncompiled_warm_ms": round(statistics.median(python_warm), 3),
                  "flex_cold_ms": round(flex_cold, 3), "flex_warm_ms": round(statistics.median(flex_warm), 3),
                  "density": round(float(bm.summary.counts[2] + 0.5 * (bm.summary.counts[1] + bm.summary.counts[3]))
                                   / max(1, sum(bm.summary.counts)), 4)}
         self.builds.append(entry)
-        print(f"  build {name} N={n}: omnicupy cold {ours_cold:.1f} warm {entry['omnicupy_warm_ms']:.2f} ms; "
+        print(f"  build {name} N={n}: omnicupy cold {ours_cold:.1f} warm {entry['omnicupy_warm_ms']:.2f} ms "
+              f"(uncompiled {entry['omnicupy_uncompiled_warm_ms']:.2f}); "
               f"flex cold {flex_cold:.1f} warm {entry['flex_warm_ms']:.2f} ms", flush=True)
         return fn, nq, nkv, bm, fbm
 
