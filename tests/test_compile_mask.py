@@ -334,3 +334,26 @@ def test_compiled_indices_pass_the_index_rule(fn):
     t[b * cols + q_idx], nested lookups) is accepted by the rule: compile_mask makes its CudaExpr
     through CudaExpr.make, which applies it (a refusal is a MaskError here)."""
     assert omnicupy.compile_mask(fn).cuda.array_decls is not None
+
+
+class _DLPackTable:
+    """A table known only through DLPack (as a CPU torch tensor is): shape, dtype, __dlpack__."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+        self.shape, self.dtype = values.shape, values.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self._values.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._values.__dlpack_device__()
+
+
+def test_dlpack_tables():
+    table = _DLPackTable(DOC2)
+    compiled = omnicupy.compile_mask(lambda b, h, q, kv: table[b, q] == table[b, kv])
+    b, h, q, kv = _grid(n_q=120, n_kv=120)
+    want = DOC2[b, q] == DOC2[b, kv]
+    np.testing.assert_array_equal(np.broadcast_to(compiled(b, h, q, kv), want.shape), want)
+    assert compiled.limits == {"b": 2, "q_idx": 120, "kv_idx": 120}
