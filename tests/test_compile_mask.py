@@ -357,3 +357,14 @@ def test_dlpack_tables():
     want = DOC2[b, q] == DOC2[b, kv]
     np.testing.assert_array_equal(np.broadcast_to(compiled(b, h, q, kv), want.shape), want)
     assert compiled.limits == {"b": 2, "q_idx": 120, "kv_idx": 120}
+
+
+def test_2d_table_sizes_reach_the_expression_check():
+    """A fused kernel checks only the CUDA expression's own array lengths: a 2-D table's row and
+    column counts reach that check through guard arrays read in dead code."""
+    compiled = omnicupy.compile_mask(lambda b, h, q, kv: DOC2[b, q] == DOC2[b, kv])
+    assert "false && (" in compiled.cuda.text
+    compiled.cuda.check_lengths(q_len=120, kv_len=120, heads=16, batch=2)
+    for sizes in (dict(q_len=120, kv_len=120, heads=1, batch=3), dict(q_len=121, kv_len=120, heads=1, batch=2)):
+        with pytest.raises(omnicupy.mask.expressions.ExpressionError):
+            compiled.cuda.check_lengths(**sizes)

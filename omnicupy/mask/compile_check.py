@@ -47,6 +47,10 @@ class Checked:
     limits: dict = field(default_factory=dict)
     #: 1-D table -> declared extent for its computed subscripts: an index name, a count, or None (every axis)
     extents: dict = field(default_factory=dict)
+    #: axis -> rows or columns of the 2-D tables it indexes (their flattened extent cannot say it):
+    #: compile_mask adds a guard array of that length read at the axis, so that the expression's own
+    #: length check (fused kernels included) refuses larger sizes
+    guards: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ class _Pass:
             need = self.bound(index, count, what)
             if need is not None:
                 self._limit(need, count)
+                self.found.guards[need] = min(count, self.found.guards.get(need, count))
         self.axes_of.setdefault(n.slot, set()).add(t.size)
 
     def _limit(self, axis: str, count: int) -> None:

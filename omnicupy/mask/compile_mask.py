@@ -202,10 +202,16 @@ def compile_mask(mask_mod: Callable) -> CompiledMask:
     given.update(tables)
     extents = {n: 1 for n in scalars}
     extents.update({n: e for n, e in checked.extents.items() if e is not None})
+    text = template.text
+    if checked.guards:
+        # Guards: read in dead code (never loaded), seen by the expression's length check.
+        given.update({f"g_{a}": np.zeros(c, dtype=np.int32) for a, c in checked.guards.items()})
+        reads = " || ".join(f"g_{a}[{a}] != 0" for a in sorted(checked.guards))
+        text = f"({text} || (false && ({reads})))"
     try:
-        expr = CudaExpr.make(template.text, None, given, extents=extents, kind="mask")
+        expr = CudaExpr.make(text, None, given, extents=extents, kind="mask")
     except OmnicupyError as exc:
-        raise MaskError(f"{what}: its translation {template.text!r} is refused: {exc}") from exc
+        raise MaskError(f"{what}: its translation {text!r} is refused: {exc}") from exc
     tree = template.tree
     host: dict = {}
 
