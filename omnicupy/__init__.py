@@ -20,11 +20,12 @@ from .ops.varlen import varlen_attention
 from .mask import BlockMask, BlockType
 from .errors import ArgumentError, CompileError, KVCacheError, MaskError, NoGPUError, OmnicupyError
 from .mask.expressions import cuda_mask
+from .mask.compile_mask import compile_mask
 from . import reference
 
 __all__ = [
     "__version__", "attention", "attention_backward", "plan", "Plan", "omni_attn_mma_blockmask", "BlockMask",
-    "BlockType", "reference", "masks", "score_mods", "cuda_mask", "cuda_score", "paged_attention", "varlen_attention",
+    "BlockType", "reference", "masks", "score_mods", "cuda_mask", "compile_mask", "cuda_score", "paged_attention", "varlen_attention",
     "ArgumentError", "CompileError", "KVCacheError", "MaskError", "NoGPUError", "OmnicupyError",
 ]
 

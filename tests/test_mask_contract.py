@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 
 from omnicupy import BlockMask, MaskError, masks
-from omnicupy.mask import builders, evaluate
+from omnicupy.mask import builders, compile_mask, evaluate
 from omnicupy.mask.block_mask import causal_band, check_sizes
 from omnicupy.mask.types import BlockType, cdiv, max_length
+
+
+@pytest.fixture(autouse=True)
+def python_evaluation(monkeypatch):
+    """These tests are about how Python mask_mods are evaluated: the mask compiler is off."""
+    monkeypatch.setattr(compile_mask, "ENABLED", False)
 
 
 # ------------------------------------------------------------------------------------ ownership

@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import arrays
 from ..errors import MaskError
-from . import blocks, evaluate, pieces_build, zoo
+from . import blocks, compile_mask, evaluate, pieces_build, zoo
 from .block_mask import BlockMask, MaskSummary, RowRuns, _as_index_array, _check_positive_int, check_sizes
 from .evaluate import BroadcastFailure, ScalarEvaluator
 from .kernels import Backend, backend_for, precompile_specs
@@ -254,7 +254,11 @@ def from_mask_mod(mask_mod: Callable, B: Optional[int], H: Optional[int], q_len:
     Bm = 1 if B is None else _check_positive_int(B, "B")
     Hm = 1 if H is None else _check_positive_int(H, "H")
     q_len, kv_len, qbs, kbs = check_sizes(q_len, kv_len, q_block_size, kv_block_size)
-    build = _Build(mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs, default_array_module() if xp is None else xp, mode)
+    # A plain Python function is evaluated as its compiled CUDA expression where it translates (else as it is,
+    # logged once; an explicit mode keeps today's evaluation); the mask records the caller's function.
+    compiled = compile_mask.for_build(mask_mod, Bm, Hm, q_len, kv_len) if mode == "auto" else None
+    build = _Build(compiled or mask_mod, (Bm, Hm), q_len, kv_len, qbs, kbs,
+                   default_array_module() if xp is None else xp, mode, recorded=mask_mod)
     windows = None
     if isinstance(mask_mod, MaskMod):
         mask_mod.check_extent(B, q_len, kv_len)
@@ -359,8 +363,9 @@ class _Build:
     None on the host) and how the mask_mod is called (``mode``)."""
 
     def __init__(self, mask_mod: Optional[Callable], batch_heads: tuple[int, int], q_len: int, kv_len: int,
-                 qbs: int, kbs: int, xp: Any, mode: str) -> None:
+                 qbs: int, kbs: int, xp: Any, mode: str, recorded: Optional[Callable] = None) -> None:
         self.mask_mod, self.batch_heads, self.mode = mask_mod, batch_heads, mode
+        self.recorded = mask_mod if recorded is None else recorded  # the mask_mod the BlockMask remembers
         self.q_len, self.kv_len, self.qbs, self.kbs = q_len, kv_len, qbs, kbs
         self.nqb, self.nkvb = cdiv(q_len, qbs), cdiv(kv_len, kbs)
         self.xp, self.backend = xp, backend_for(xp)
@@ -661,7 +666,7 @@ class _Build:
         runs = RowRuns(grid, items.row[listed], items.kv[listed], items.length[listed], items.kind[listed])
         return BlockMask(nb, idx, types, q_len=self.q_len, kv_len=self.kv_len, q_block_size=self.qbs,
                          kv_block_size=self.kbs, partial_block_mask_indices=pidx, partial_block_masks=pool,
-                         mask_mod=self.mask_mod, _features=features, _summary=summary, _runs=runs)
+                         mask_mod=self.recorded, _features=features, _summary=summary, _runs=runs)
 
 
 def _packed(allowed, k: int, qbs: int, kbs: int) -> np.ndarray:
