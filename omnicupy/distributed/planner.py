@@ -49,8 +49,9 @@ from .work import BLOCK_WEIGHTS, MaskWork, mask_work
 
 STRATEGIES = ("contiguous", "zigzag", "lpt")
 SCHEDULES = ("auto", "ring", "allgather")
-#: ``keys``: K/V always travel to the queries; ``auto``: per q unit, whichever moves fewer bytes (routing.py).
-ROUTES = ("auto", "keys")
+#: ``keys``: K/V always travel to the queries; ``auto``: per q unit, whichever moves fewer bytes (routing.py);
+#: ``queries``: every remote pair's queries travel (for tests and measurements).
+ROUTES = ("auto", "keys", "queries")
 #: ``lpt`` candidates: chunks per rank. More chunks balance better and cost more pieces per message.
 LPT_CHUNKS_PER_RANK = (2, 4, 8, 16, 32)
 #: ``schedule="auto"`` gathers everything when at least this fraction of the remote tokens is needed.
@@ -352,7 +353,7 @@ def _candidate(mw: MaskWork, world_size: int, strategy: str, chunks_per_rank: in
 
 
 def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str], chunks_per_rank: Optional[int],
-                costs: Optional[TokenCosts]) -> list[Candidate]:
+                costs: Optional[TokenCosts], keys_too: bool = True) -> list[Candidate]:
     wanted = []
     for name in ([strategy] if strategy else STRATEGIES):
         if name == "contiguous":
@@ -366,8 +367,10 @@ def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str], chunks_p
         wanted += [(name, k) for k in counts]
     # Each assignment with keys only and, with ``costs``, routed: moving queries moves their work too,
     # so a routed candidate may lose on balance what it wins on bytes (causal masks do).
-    found = [c for name, k in wanted for cst in ([None, costs] if costs is not None else [None])
-             if (c := _candidate(mw, world_size, name, k, cst)) is not None and (cst is None or c.moved.any())]
+    options = [None] if costs is None else ([None, costs] if keys_too else [costs])
+    found = [c for name, k in wanted for cst in options
+             if (c := _candidate(mw, world_size, name, k, cst)) is not None
+             and (cst is None or c.moved.any() or not keys_too)]
     if not found:
         raise ArgumentError(
             f"a sequence of {mw.seq_len} tokens ({mw.num_units} units of {mw.unit}) is too short for "
@@ -406,7 +409,8 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     ``strategy`` (``contiguous``, ``zigzag``, ``lpt``; None tries all) and ``chunks_per_rank`` pin
     the assignment; ``schedule`` is ``auto``, ``ring`` or ``allgather``; ``weights`` overrides
     ``BLOCK_WEIGHTS`` per BlockType (measured costs, say). ``route``: ``auto`` lets queries travel
-    to their keys where that moves fewer bytes (routing.py), ``keys`` always moves K/V. ``heads``:
+    to their keys where that moves fewer bytes (routing.py), ``keys`` always moves K/V,
+    ``queries`` moves the queries of every remote pair (tests, measurements). ``heads``:
     ``(q_heads, kv_heads)``, for the byte counts that decide (default equal). Pure NumPy on a
     host copy of the metadata: no GPU needed."""
     world_size = check_int(world_size, "world_size", minimum=1)
@@ -421,8 +425,11 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     max_imbalance = check_positive_float(max_imbalance, "max_imbalance")
     costs = TokenCosts.of(*_heads(heads))
     mw = mask_work(block_mask, weights)
-    routed = route == "auto" and schedule != "allgather"
-    found = _candidates(mw, world_size, strategy, chunks_per_rank, costs if routed else None)
+    if route == "queries" and schedule == "allgather":
+        raise ArgumentError("route='queries' needs the ring schedule (the all-gather moves keys only)")
+    routing_costs = {"auto": costs, "keys": None, "queries": routing.ALL_QUERIES}[route]
+    found = _candidates(mw, world_size, strategy, chunks_per_rank,
+                        None if schedule == "allgather" else routing_costs, keys_too=route != "queries")
     best = _choose(found, max_imbalance, costs)
     if schedule == "auto":
         gather = (world_size > 1 and not best.moved.any()
@@ -432,7 +439,7 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
                      best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
                      mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, best.attends,
                      max_imbalance, moved=best.moved, traffic=best.traffic, candidates=tuple(found), mask=block_mask,
-                     route="auto" if best.moved.any() else "keys")
+                     route=route if best.moved.any() else "keys")
 
 
 __all__ = ["ShardPlan", "Candidate", "MaskWork", "plan", "mask_work", "contiguous", "zigzag", "lpt", "units_positions",

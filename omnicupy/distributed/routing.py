@@ -47,6 +47,10 @@ class TokenCosts:
         return cls(kv=KV_ROWS_PER_HEAD * kv_heads, q=(Q_ROWS_PER_HEAD + LSE_ROWS_PER_HEAD) * q_heads)
 
 
+#: Costs under which every remote pair's queries travel (free queries): ``plan(route="queries")``.
+ALL_QUERIES = TokenCosts(kv=1.0, q=0.0)
+
+
 def route(q_unit: np.ndarray, kv_unit: np.ndarray, unit_owner: np.ndarray, unit_tokens: np.ndarray,
           world_size: int, costs: TokenCosts) -> np.ndarray:
     """``moved [U, W]`` bool: q unit u's pairs with rank w's keys are computed on w (never its own rank).
