@@ -13,7 +13,7 @@ from omnicupy import BlockMask, arrays, masks, reference
 from omnicupy.distributed import merge, planner, sharded_attention, sharding, steps
 
 import fake_devices as fd
-from distributed_cases import host_mask
+from distributed_cases import FAMILIES, family_mask, host_mask
 from mask_cases import alternating_segments, random_lengths
 
 SEED = 7_2026
@@ -34,7 +34,7 @@ def fake_gpu(monkeypatch):
     return activate
 
 
-CASES = [  # (mask, N, ranks, schedule, strategy, heads, kv heads)
+CASES = [  # (mask, N, ranks, schedule, strategy, heads, kv heads, route)
     pytest.param("causal", 1000, 2, "auto", None, 2, 2, id="causal-W2"),
     pytest.param("causal", 1536, 3, "auto", None, 2, 1, id="causal-W3-gqa"),
     pytest.param("causal", 2048, 4, "auto", "lpt", 2, 2, id="causal-W4-lpt"),
@@ -45,9 +45,21 @@ CASES = [  # (mask, N, ranks, schedule, strategy, heads, kv heads)
     pytest.param("full", 1024, 2, "auto", None, 2, 2, id="full-W2-auto-allgather"),
     pytest.param("blocks", 1024, 4, "auto", "contiguous", 2, 2, id="block-diagonal-W4-no-traffic"),
 ]
+CASES = [pytest.param(*c.values, "keys" if c.values[0] != "full" else "auto", id=c.id) for c in CASES] + [
+    # travelling queries (routing.py): chosen by the planner, and forced on every remote pair
+    pytest.param("global_window", 2048, 4, "auto", None, 2, 2, "auto", id="global-window-W4-auto"),
+    pytest.param("global_window", 1024, 2, "auto", None, 4, 2, "auto", id="global-window-W2-auto-gqa"),
+    pytest.param("causal", 1536, 3, "auto", None, 2, 1, "queries", id="causal-W3-queries-gqa"),
+    pytest.param("sliding", 2400, 3, "auto", "lpt", 2, 2, "queries", id="sliding-W3-lpt-queries-pieces"),
+    pytest.param("document", 1700, 4, "auto", None, 2, 2, "queries", id="document-W4-queries"),
+    pytest.param("shared_prefix", 2048, 4, "auto", None, 2, 2, "queries", id="shared-prefix-W4-queries"),
+    pytest.param("cross_attention", 2048, 2, "auto", None, 2, 2, "queries", id="cross-attention-W2-queries"),
+]
 
 
 def build(name, n):
+    if name in FAMILIES:
+        return family_mask(name, n, block=64)
     mod = {
         "causal": masks.causal(),
         "sliding": masks.sliding_window(200),
@@ -60,8 +72,8 @@ def build(name, n):
     return host_mask(mod, n, q_block_size=qbs, kv_block_size=qbs)
 
 
-@pytest.mark.parametrize("name,n,world,schedule,strategy,heads,kv_heads", CASES)
-def test_threads_match_the_whole_sequence(fake_gpu, name, n, world, schedule, strategy, heads, kv_heads):
+@pytest.mark.parametrize("name,n,world,schedule,strategy,heads,kv_heads,route", CASES)
+def test_threads_match_the_whole_sequence(fake_gpu, name, n, world, schedule, strategy, heads, kv_heads, route):
     rng = np.random.default_rng(SEED + n)
     D = 16
     bm = build(name, n)
@@ -70,7 +82,10 @@ def test_threads_match_the_whole_sequence(fake_gpu, name, n, world, schedule, st
     k, v = (rng.standard_normal((1, kv_heads, n, D)).astype(np.float16) for _ in range(2))
     dout = rng.standard_normal((1, heads, n, D)).astype(np.float16)
     chunks = 4 if strategy == "lpt" else None
-    plan = planner.plan(bm, world, schedule=schedule, strategy=strategy, chunks_per_rank=chunks)
+    plan = planner.plan(bm, world, schedule=schedule, strategy=strategy, chunks_per_rank=chunks, route=route,
+                        heads=(heads, kv_heads))
+    if route == "queries" or name == "global_window":
+        assert plan.moved.any(), plan
     for r in range(world):
         steps.program(plan, r)  # built with the real modules
     fake_gpu()
@@ -83,22 +98,25 @@ def test_threads_match_the_whole_sequence(fake_gpu, name, n, world, schedule, st
         out_r, lse_r = sharded_attention.attention(*shards[:3], plan, comm, return_lse=True)
         forward_bytes = comm.sent_bytes
         grads = sharded_attention.attention_backward(shards[3], *shards[:3], out_r, lse_r, plan, comm)
+        backward_bytes = comm.sent_bytes - forward_bytes
         whole = [sharding.unshard(x, plan, comm) for x in (out_r, lse_r, *grads)]
-        return forward_bytes, whole
+        return (forward_bytes, backward_bytes), whole
 
     results = fd.run_ranks(world, rank_fn)
     want_o, want_lse = reference.attention(q, k, v, dense, return_lse=True)
     want = fd.pair_gradients(q, k, v, dout, want_o.astype(np.float16), want_lse, dense, None)
     where = f"{name}, {world} ranks, seed {SEED + n}, plan {plan.strategy}/{plan.schedule}"
-    for rank, (forward_bytes, (out, lse, dq, dk, dv)) in enumerate(results):
+    for rank, ((forward_bytes, backward_bytes), (out, lse, dq, dk, dv)) in enumerate(results):
         assert reference.relative_error(out, want_o) < 3e-3, where
         finite = np.isfinite(want_lse)
         assert np.array_equal(np.isfinite(lse), finite) and np.allclose(lse[finite], want_lse[finite], atol=1e-4)
         for g, w, what in zip((dq, dk, dv), want, ("dq", "dk", "dv")):
             assert reference.relative_error(g, w) < 3e-3, f"{what}: {where}"
         # the forward sent exactly what the plan says
-        shapes = dict(batch=1, kv_heads=kv_heads, head_dim=D, itemsize=2)
+        shapes = dict(batch=1, kv_heads=kv_heads, head_dim=D, itemsize=2, q_heads=heads)
         assert forward_bytes == plan.bytes_sent(rank, **shapes), where
+        if plan.schedule == "ring":  # the all-gather's backward returns pad nothing: bytes_sent counts padding
+            assert backward_bytes == plan.bytes_sent(rank, **shapes, backward=True), where
 
 
 def test_numpy_shards_give_numpy_results(fake_gpu):

@@ -99,6 +99,10 @@ def _device(x: Any, name: str, comm: Communicator, *, contiguous: bool = False):
     return cp.ascontiguousarray(d) if contiguous else d
 
 
+def _has_queries(prog: RankProgram) -> bool:
+    return any(s.q_send is not None or s.q_recv is not None for s in prog.remote_steps)
+
+
 def _host_result(host: bool, *results):
     return tuple(r.get() if host and r is not None else r for r in results)
 
@@ -142,20 +146,32 @@ def forward_steps(q: Any, k: Any, v: Any, prog: RankProgram, exchange: Any, *, s
         out = cp.zeros(q.shape, dtype=q.dtype)
         lse = cp.full(q.shape[:3], -np.inf, dtype=np.float32)
     exchange.post(1)
-    # Rows that remote parts touch are merged in float32, from the local result on.
+    # Rows that remote parts (or answers to travelling queries) touch are merged in float32.
     acc = _gather_rows(out, prog.touched, prog.touched_len) if prog.touched_len else None
     for step in prog.remote_steps:
         exchange.post(step.step + 1)
-        if step.recv is None:
-            continue
-        k_msg, v_msg = exchange.kv(step.step)
-        for part in step.parts:
-            o, part_lse = omnicupy.attention(_rows(q, part, prog.local_len), k_msg, v_msg, part.mask, scale=scale,
-                                             return_lse=True, stages=stages)
-            merge_into(acc[:, :, part.acc_start:part.acc_start + part.q_len],
-                       _rows(lse, part, prog.local_len), o, part_lse, cp)
+        if step.recv is not None:
+            k_msg, v_msg = exchange.kv(step.step)
+            for part in step.parts:
+                o, part_lse = omnicupy.attention(_rows(q, part, prog.local_len), k_msg, v_msg, part.mask, scale=scale,
+                                                 return_lse=True, stages=stages)
+                merge_into(acc[:, :, part.acc_start:part.acc_start + part.q_len],
+                           _rows(lse, part, prog.local_len), o, part_lse, cp)
+        if step.q_recv is not None:  # another rank's queries against the local keys: answer (o, lse)
+            (q_guest,) = exchange.guest(step.step)
+            o, guest_lse = omnicupy.attention(q_guest, k, v, step.guest, scale=scale, return_lse=True, stages=stages)
+            o_slot, lse_slot = exchange.answer_buffers(step.step)
+            o_slot[...] = o
+            lse_slot[...] = guest_lse
         exchange.done(step.step)
+        exchange.post_return(step.step)
     exchange.finish()
+    for step in prog.remote_steps:  # answers to this rank's travelling queries, merged in step order
+        if step.q_send is not None:
+            o_ans, lse_ans = exchange.answers(step.step)
+            for (own, at, n), (slot, _, _) in zip(step.q_send.runs, step.q_send.acc_runs):
+                merge_into(acc[:, :, slot:slot + n], lse[:, :, own:own + n], o_ans[:, :, at:at + n],
+                           lse_ans[:, :, at:at + n], cp)
     if acc is not None:
         _scatter_rows(out, acc, prog.touched)
     return out, lse
@@ -175,7 +191,8 @@ def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, sc
     host = arrays.is_numpy(q)
     q = _device(q, "q", comm)
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    out, lse = forward_steps(q, k, v, prog, KVExchange(comm, prog, k, v), scale=scale, stages=stages)
+    exchange = KVExchange(comm, prog, k, v, queries=(q,) if _has_queries(prog) else ())
+    out, lse = forward_steps(q, k, v, prog, exchange, scale=scale, stages=stages)
     out, lse = _host_result(host, out, lse)
     return (out, lse) if return_lse else out
 
@@ -238,6 +255,8 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
         dq, dk, dv = (cp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     exchange.post(1)
     dq_acc = _gather_rows(dq, prog.touched, prog.touched_len) if prog.touched_len else None
+    # dK/dV of other ranks' travelling queries against the local keys, summed in float32 in step order
+    guests = [cp.zeros(x.shape, dtype=np.float32) for x in (k, v)] if prog.hosts_queries else None
     for step in prog.remote_steps:
         s = step.step
         exchange.post(s + 1)
@@ -246,13 +265,35 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
             dk_msg, dv_msg = exchange.return_buffers(s)
             _message_gradients(bwd, step.parts, (dout, q, out, lse), k_msg, v_msg, dk_msg, dv_msg, dq_acc,
                                prog.local_len, options)
+        if step.q_recv is not None:  # answer dQ; dK/dV stay here
+            q_g, dout_g, out_g, lse_g = exchange.guest(s)
+            (dq_slot,) = exchange.answer_buffers(s)
+            _, dk_g, dv_g = bwd(dout_g, q_g, k, v, out_g, lse_g, step.guest, dq=dq_slot, **options)
+            for total, part in zip(guests, (dk_g, dv_g)):
+                cp.add(total, part.astype(np.float32), out=total)
+        if step.recv is not None or step.q_recv is not None:
             exchange.done(s)
         exchange.post_return(s)
     exchange.finish()
+    for step in prog.remote_steps:  # dQ answers to this rank's travelling queries, in step order
+        if step.q_send is not None:
+            (dq_ans,) = exchange.answers(step.step)
+            for (own, at, n), (slot, _, _) in zip(step.q_send.runs, step.q_send.acc_runs):
+                window = dq_acc[:, :, slot:slot + n]
+                cp.add(window, dq_ans[:, :, at:at + n].astype(np.float32), out=window)
     if dq_acc is not None:
         _scatter_rows(dq, dq_acc, prog.touched)
-    for grad, returned in ((dk, exchange.dk), (dv, exchange.dv)):  # own partial + the ones sent back
-        if returned is not None:
+    for i, (grad, returned) in enumerate(((dk, exchange.dk), (dv, exchange.dv))):
+        # own partial + the travelling queries' (step order) + the ones sent back (step order)
+        if guests is not None:
+            total = guests[i]
+            cp.add(total, grad.astype(np.float32), out=total)
+            if returned is not None:
+                for local, at, n in prog.returned:
+                    window = total[:, :, local:local + n]
+                    cp.add(window, returned[:, :, at:at + n], out=window)
+            grad[...] = total
+        elif returned is not None:
             total = _gather_rows(grad, prog.returned, prog.returned_len)
             total += returned
             _scatter_rows(grad, total, prog.returned)
@@ -277,7 +318,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     host = arrays.is_numpy(q)
     q, dout, out, lse = (_device(x, n, comm) for x, n in ((q, "q"), (dout, "dout"), (out, "out"), (lse, "lse")))
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    exchange = KVExchange(comm, prog, k, v, returns=True)
+    exchange = KVExchange(comm, prog, k, v, returns=True,
+                          queries=(q, dout, out, lse) if _has_queries(prog) else ())
     grads = backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
                            dict(scale=scale, deterministic=deterministic))
     return _host_result(host, *grads)
