@@ -29,6 +29,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(omnicupy, "attention", fd.fake_attention)
         monkeypatch.setattr(omnicupy, "attention_backward", fd.fake_attention_backward, raising=False)
         monkeypatch.setitem(merge._fused, "failed", True)  # no CUDA compiler behind the stand-ins
+        monkeypatch.setattr(fd.FakeEvent, "query", lambda self: self.recorded, raising=False)  # work runs at once
         return cp
 
     return activate
@@ -153,3 +154,38 @@ def test_the_benchmark_runs_on_the_stand_ins(fake_gpu, monkeypatch):
                     "hidden_forward", "speedup_both"):
             assert key in row, (row["mask"], key)
     assert "causal" in bench.table(rows[0]).splitlines()[2]
+
+
+@pytest.mark.parametrize("route", ["keys", "queries"])
+def test_sinks_join_each_row_once(fake_gpu, route):
+    """Sink logits enter a row's normalizer once whatever the number of partials; dsinks sums over ranks."""
+    n, world, heads, D = 1024, 3, 2, 16
+    rng = np.random.default_rng(SEED + 39)
+    bm = family_mask("global_window", n, block=64)
+    dense = bm.to_dense()
+    q, dout = (rng.standard_normal((1, heads, n, D)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, n, D)).astype(np.float16) for _ in range(2))
+    sinks = np.array([0.5, -1.0], np.float32)
+    plan = planner.plan(bm, world, route=route, heads=(heads, 1))
+    for r in range(world):
+        steps.program(plan, r)
+    fake_gpu()
+    shared = fd.World(world)
+    comms = [fd.FakeComm(shared, r) for r in range(world)]
+
+    def rank_fn(rank):
+        comm = comms[rank]
+        sh = [fd.fake(sharding.shard(x, plan, rank)) for x in (q, k, v, dout)]
+        out_r, lse_r = sharded_attention.attention(*sh[:3], plan, comm, return_lse=True, sinks=sinks)
+        grads = sharded_attention.attention_backward(sh[3], *sh[:3], out_r, lse_r, plan, comm, sinks=sinks)
+        return [sharding.unshard(x, plan, comm) for x in (out_r, lse_r, *grads[:3])], np.asarray(grads[3])
+
+    results = fd.run_ranks(world, rank_fn)
+    want_o, want_lse = reference.attention(q, k, v, dense, return_lse=True, sinks=sinks)
+    want = reference.attention_backward(dout, q, k, v, dense, sinks=sinks, return_grads=("dq", "dk", "dv", "dsinks"))
+    for (out, lse, dq, dk, dv), dsinks in results:
+        assert reference.relative_error(out, want_o) < 3e-3
+        np.testing.assert_allclose(lse, want_lse, atol=1e-4)
+        for g, w, what in zip((dq, dk, dv), want[:3], ("dq", "dk", "dv")):
+            assert reference.relative_error(g, w) < 3e-3, f"{what} seed {SEED + 39}"
+        np.testing.assert_allclose(dsinks, want[3], rtol=3e-3, atol=1e-3)

@@ -26,9 +26,9 @@ import numpy as np
 from .. import arrays
 from ..errors import ArgumentError, MaskError
 from .comm import Communicator
-from .errors import BackwardUnavailableError, DistributedError
+from .errors import BackwardUnavailableError, CommunicationError, DistributedError
 from .exchange import KVExchange
-from .merge import merge_into
+from .merge import add_sink, merge_into, sink_gradient
 from .planner import ShardPlan
 from .steps import Part, RankProgram, program
 
@@ -97,6 +97,26 @@ def _device(x: Any, name: str, comm: Communicator, *, contiguous: bool = False):
     if d.device.id != comm.device:
         raise ArgumentError(f"{name} is on device {d.device.id}, the communicator on {comm.device}")
     return cp.ascontiguousarray(d) if contiguous else d
+
+
+def _run_guarded(comm: Communicator, timeout: Optional[float], what: str, fn):
+    """``fn()`` (which posts transfers), then a bounded host wait for its work (``comm.wait``). Any
+    failure once transfers may be posted aborts the communicator, so that this rank never leaves
+    peers' operations pending on a live communicator; it is raised as CommunicationError (the cause
+    chained) unless it already is one."""
+    cp = arrays.cupy_module()
+    try:
+        result = fn()
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(cp.cuda.get_current_stream())
+    except CommunicationError:
+        raise
+    except Exception as exc:
+        comm.abort()
+        raise CommunicationError(f"rank {comm.rank}: {what} failed after its transfers were posted "
+                                 f"({type(exc).__name__}: {exc}); the communicator is aborted") from exc
+    comm.wait(done, timeout, what)
+    return result
 
 
 def _has_queries(prog: RankProgram) -> bool:
@@ -177,22 +197,45 @@ def forward_steps(q: Any, k: Any, v: Any, prog: RankProgram, exchange: Any, *, s
     return out, lse
 
 
+def _sinks(sinks: Any, heads: int, comm: Communicator) -> Any:
+    """``sinks`` as a float32 [Hq] array on the communicator's device (None stays None)."""
+    if sinks is None:
+        return None
+    s = _array(sinks, "sinks")
+    if tuple(s.shape) != (heads,):
+        raise ArgumentError(f"sinks must be one logit per query head, shape ({heads},), got {tuple(s.shape)}")
+    return _device(s, "sinks", comm).astype(np.float32)
+
+
 def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, scale: Optional[float] = None,
-              return_lse: bool = False, stages: Optional[int] = None):
+              return_lse: bool = False, stages: Optional[int] = None, sinks: Any = None,
+              timeout: Optional[float] = None):
     """Attention of this rank's queries over the whole sharded sequence, under ``plan``'s mask.
 
     q ``[B, Hq, L, D]`` and k/v ``[B, Hkv, L, D]`` are this rank's shards (``shard(x, plan,
     comm.rank)``), float16 or bfloat16; GQA as in ``omnicupy.attention``. Every rank of ``comm``
     calls this with the same plan. Returns this rank's output shard (and, with ``return_lse``, its
     float32 LSE ``[B, Hq, L]``): ``unshard`` puts them back in sequence order. NumPy shards give
-    NumPy results; others CuPy arrays on the current stream."""
+    NumPy results; others CuPy arrays on the current stream. ``sinks`` (float32 [Hq]): a logit per
+    query head that joins every row's normalizer once (the returned LSE includes it). ``timeout``
+    (seconds; default ``comm.timeout_s``, 0: return without waiting): the host waits that long at
+    most for the call's work, then aborts the communicator and raises CommunicationTimeoutError;
+    any other failure after transfers are posted aborts it and raises CommunicationError."""
     q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     prog = _prepare(plan, comm, q, k, v)
     host = arrays.is_numpy(q)
     q = _device(q, "q", comm)
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    exchange = KVExchange(comm, prog, k, v, queries=(q,) if _has_queries(prog) else ())
-    out, lse = forward_steps(q, k, v, prog, exchange, scale=scale, stages=stages)
+    sinks = _sinks(sinks, q.shape[1], comm)
+    comm.check()
+
+    def run():
+        exchange = KVExchange(comm, prog, k, v, queries=(q,) if _has_queries(prog) else ())
+        return forward_steps(q, k, v, prog, exchange, scale=scale, stages=stages)
+
+    out, lse = _run_guarded(comm, timeout, "distributed.attention", run)
+    if sinks is not None:  # once per row, at the row's owner, after every partial is in
+        add_sink(out, lse, sinks, arrays.cupy_module())
     out, lse = _host_result(host, out, lse)
     return (out, lse) if return_lse else out
 
@@ -301,10 +344,16 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: ShardPlan, comm: Communicator, *,
-                       scale: Optional[float] = None, deterministic: bool = False):
+                       scale: Optional[float] = None, deterministic: bool = False, sinks: Any = None,
+                       timeout: Optional[float] = None):
     """Gradients ``(dq, dk, dv)`` of this rank's shards, from this rank's ``dout`` and the ``out`` and
     ``lse`` that ``attention(..., return_lse=True)`` returned for them. Every rank calls it with the
-    same plan. dK/dV include the contributions of every rank's queries."""
+    same plan. dK/dV include the contributions of every rank's queries. Partial gradients are
+    always summed in a fixed order (the program's step order, never arrival order), so the result
+    does not depend on timing; ``deterministic`` is passed to the single-GPU backward.
+    With ``sinks`` (the forward's), returns ``(dq, dk, dv, dsinks)``: the LSE already holds the
+    sinks, so dq/dk/dv need nothing more, and dsinks [Hq] is summed over the ranks (all-reduce).
+    ``timeout`` and failures as in ``attention``."""
     bwd = backward_function()
     dout, q, k, v, out, lse = (_array(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                                           (lse, "lse")))
@@ -318,10 +367,19 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     host = arrays.is_numpy(q)
     q, dout, out, lse = (_device(x, n, comm) for x, n in ((q, "q"), (dout, "dout"), (out, "out"), (lse, "lse")))
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    exchange = KVExchange(comm, prog, k, v, returns=True,
-                          queries=(q, dout, out, lse) if _has_queries(prog) else ())
-    grads = backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
-                           dict(scale=scale, deterministic=deterministic))
+    sinks = _sinks(sinks, q.shape[1], comm)
+    comm.check()
+
+    def run():
+        exchange = KVExchange(comm, prog, k, v, returns=True,
+                              queries=(q, dout, out, lse) if _has_queries(prog) else ())
+        return backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
+                              dict(scale=scale, deterministic=deterministic))
+
+    grads = _run_guarded(comm, timeout, "distributed.attention_backward", run)
+    if sinks is not None:
+        dsinks = arrays.cupy_module().ascontiguousarray(sink_gradient(dout, out, lse, sinks, arrays.cupy_module()))
+        grads = (*grads, comm.all_reduce(dsinks, "sum"))
     return _host_result(host, *grads)
 
 
