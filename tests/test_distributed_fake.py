@@ -142,12 +142,15 @@ def test_the_benchmark_runs_on_the_stand_ins(fake_gpu, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_context_parallel as bench
 
-    args = Namespace(n=1024, heads=1, kv_heads=1, head_dim=16, dtype="fp16", seed=SEED, repeats=1, strategy=None)
-    monkeypatch.setattr(bench, "build_mask", lambda name, n: host_mask(bench.mask_mod(name, n), n))
+    args = Namespace(n=1024, heads=1, kv_heads=1, head_dim=16, dtype="fp16", seed=SEED, repeats=1, strategy=None,
+                     route="auto")
     fake_gpu()
     world = fd.World(2)
     comms = [fd.FakeComm(world, r) for r in range(2)]
-    rows = fd.run_ranks(2, lambda r: [bench.run_mask(name, args, comms[r]) for name in ("causal", "document")])
+    monkeypatch.setattr(bench, "build_mask", lambda name, n: family_mask(name, n, block=64))
+    names = ("causal", "global_window")  # keys travel; queries travel
+    rows = fd.run_ranks(2, lambda r: [bench.run_mask(name, args, comms[r]) for name in names])
+    assert "auto" in rows[0][1]["plan"], rows[0][1]["plan"]
     for row in rows[0]:
         assert row["correct"], row
         for key in ("forward_ms", "both_ms", "compute_both_ms", "transfer_both_ms", "model_forward_ms",
