@@ -35,6 +35,7 @@ class Case:
     strategy: Optional[str] = None
     float64: bool = False  # compare with omnicupy.reference (small n only) instead of the single-GPU call
     route: str = "auto"
+    head_parallel: bool = False
     fail_rank: int = -1  # this rank raises before posting anything: every rank must raise a named error
 
     @property
@@ -68,6 +69,8 @@ CASES = [
     Case("prefix_lm-fp16", "prefix_lm"),
     Case("random_10-fp16", "random_10"),
     Case("causal-fp16-queries", "causal", route="queries"),
+    Case("causal-fp16-gqa-heads", "causal", heads=8, kv_heads=4, head_parallel=True),
+    Case("document-bf16-heads", "document", "bf16", head_parallel=True),
     Case("document-bf16-queries", "document", "bf16", route="queries"),
     Case("global_window-fp16-N1900-float64-queries", "global_window", n=1900, heads=2, kv_heads=1, float64=True,
          route="queries"),
@@ -145,7 +148,7 @@ def run_case(case: Case, comm) -> dict:
     qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
 
     plan = dist.plan(bm, comm.size, schedule=case.schedule, strategy=case.strategy, route=case.route,
-                     heads=(case.heads, case.kv_heads))
+                     heads=(case.heads, case.kv_heads), head_parallel=case.head_parallel)
     if case.float64:
         want_o, want_lse = reference.attention(q, k, v, bm.to_dense(), return_lse=True)
     else:

@@ -192,3 +192,48 @@ def test_sinks_join_each_row_once(fake_gpu, route):
         for g, w, what in zip((dq, dk, dv), want[:3], ("dq", "dk", "dv")):
             assert reference.relative_error(g, w) < 3e-3, f"{what} seed {SEED + 39}"
         np.testing.assert_allclose(dsinks, want[3], rtol=3e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name,world,heads,kv_heads", [("causal", 2, 4, 2), ("global_window", 4, 8, 4),
+                                                       ("document", 3, 6, 3)])
+def test_head_parallel_matches_the_whole_sequence(fake_gpu, name, world, heads, kv_heads):
+    """Head parallelism (heads.py): two all-to-alls over heads, the whole sequence per head group."""
+    n, D = 1536, 16
+    rng = np.random.default_rng(SEED + world)
+    bm = family_mask(name, n, block=64)
+    dense = bm.to_dense()
+    q, dout = (rng.standard_normal((1, heads, n, D)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((1, kv_heads, n, D)).astype(np.float16) for _ in range(2))
+    plan = planner.plan(bm, world, heads=(heads, kv_heads), head_parallel=True)
+    assert plan.head_parallel == world and "head parallel" in str(plan)
+    fake_gpu()
+    shared = fd.World(world)
+    comms = [fd.FakeComm(shared, r) for r in range(world)]
+    shapes = dict(batch=1, kv_heads=kv_heads, head_dim=D, itemsize=2, q_heads=heads)
+
+    def rank_fn(rank):
+        comm = comms[rank]
+        sh = [fd.fake(sharding.shard(x, plan, rank)) for x in (q, k, v, dout)]
+        out_r, lse_r = sharded_attention.attention(*sh[:3], plan, comm, return_lse=True)
+        fwd = comm.sent_bytes
+        grads = sharded_attention.attention_backward(sh[3], *sh[:3], out_r, lse_r, plan, comm)
+        bwd = comm.sent_bytes - fwd
+        assert fwd == plan.bytes_sent(rank, **shapes) and bwd == plan.bytes_sent(rank, **shapes, backward=True)
+        return [sharding.unshard(x, plan, comm) for x in (out_r, lse_r, *grads)]
+
+    results = fd.run_ranks(world, rank_fn)
+    want_o, want_lse = reference.attention(q, k, v, dense, return_lse=True)
+    want = fd.pair_gradients(q, k, v, dout, want_o.astype(np.float16), want_lse, dense, None)
+    for out, lse, dq, dk, dv in results:
+        assert reference.relative_error(out, want_o) < 3e-3
+        finite = np.isfinite(want_lse)
+        assert np.allclose(lse[finite], want_lse[finite], atol=1e-4)
+        for g, w, what in zip((dq, dk, dv), want, ("dq", "dk", "dv")):
+            assert reference.relative_error(g, w) < 3e-3, f"{what} {name} seed {SEED + world}"
+
+
+def test_head_parallel_needs_divisible_kv_heads():
+    bm = family_mask("causal", 1024, block=64)
+    with pytest.raises(omnicupy.errors.ArgumentError, match="kv head"):
+        planner.plan(bm, 4, heads=(8, 2), head_parallel=True)
+    assert planner.plan(bm, 4, heads=(8, 2), head_parallel="auto").head_parallel == 1  # GQA bounds it

@@ -34,6 +34,7 @@ needs every other rank's whole shard, so that skipping unneeded units would save
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -109,6 +110,7 @@ class ShardPlan:
     moved: np.ndarray = field(compare=False, default=None)  # [U, W]: unit u's queries travel to rank w
     traffic: Optional[Traffic] = field(compare=False, default=None)
     route: str = "keys"
+    head_parallel: int = 1  # W: heads.py runs the call (all-to-alls over heads), not the steps
     candidates: tuple = field(repr=False, compare=False, default=())
     mask: Optional[BlockMask] = field(repr=False, compare=False, default=None)
     _cache: dict = field(repr=False, compare=False, default_factory=dict)
@@ -203,6 +205,9 @@ class ShardPlan:
         ``q_heads`` defaults to ``kv_heads``."""
         rank = self._check_rank(rank)
         q_heads = kv_heads if q_heads is None else q_heads
+        if self.head_parallel > 1:
+            return head_bytes_sent(self, rank, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                                   itemsize=itemsize, backward=backward)
         if self.schedule == "allgather" or self.traffic is None:
             per_token = 2 * batch * kv_heads * head_dim * itemsize
             tokens = self.tokens_sent(rank) + (self.tokens_received(rank) if backward else 0)
@@ -228,6 +233,9 @@ class ShardPlan:
 
     def headline(self) -> str:
         """One line: world, assignment, schedule, balance and the busiest sender."""
+        if self.head_parallel > 1:
+            return (f"ShardPlan: {self.world_size} ranks, N={self.seq_len}, head parallel x{self.head_parallel} "
+                    f"(all-to-all over heads; shards {self.strategy} x{self.chunks_per_rank})")
         sent = [self.tokens_sent(r) for r in range(self.world_size)]
         moved = [self.queries_sent(r) for r in range(self.world_size)]
         return (f"ShardPlan: {self.world_size} ranks, N={self.seq_len}, {self.strategy} x{self.chunks_per_rank}, "
@@ -269,6 +277,48 @@ class ShardPlan:
 
 
 # ------------------------------------------------------------------------------ helpers
+def head_bytes_sent(plan: ShardPlan, rank: int, *, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+                    itemsize: int, backward: bool) -> int:
+    """Bytes ``rank`` sends in one pass under head parallelism (heads.py): Q, K, V of its positions
+    for the other ranks' heads and the outputs of its heads for the others' positions; backward:
+    dO, Q, K, V, O and LSE out, dQ, dK, dV back."""
+    world = plan.world_size
+    mine = plan.local_len(rank)
+    others = plan.seq_len - mine
+    q_row = batch * (q_heads // world) * head_dim * itemsize
+    kv_row = batch * (kv_heads // world) * head_dim * itemsize
+    lse = batch * (q_heads // world) * 4
+    if not backward:
+        return (world - 1) * mine * (q_row + 2 * kv_row) + others * (q_row + lse)
+    return (world - 1) * mine * (3 * q_row + lse + 2 * kv_row) + others * (q_row + 2 * kv_row)
+
+
+def _choose_heads(result: ShardPlan, option: Any, heads: Optional[tuple[int, int]]) -> int:
+    """The head-parallel degree: W when asked (``True``), or with ``"auto"`` when the head counts are
+    known, W divides the kv heads, the mask is the same for every head and the all-to-alls move fewer
+    bytes (forward + backward, busiest rank) than the sequence plan; else 1."""
+    world = result.world_size
+    if option is False or option == "never" or world == 1:
+        return 1
+    if option not in (True, "auto"):
+        raise ArgumentError(f"head_parallel must be 'auto', True or False, got {option!r}")
+    possible = heads is not None and heads[1] % world == 0 and result.mask.shape[1] == 1
+    if option is True:
+        if not possible:
+            raise ArgumentError(f"head parallelism over {world} ranks needs heads=(q_heads, kv_heads) with kv_heads "
+                                f"divisible by {world} (a kv head is never split) and a mask shared by every head")
+        return world
+    if not possible:
+        return 1
+    shapes = dict(batch=1, q_heads=heads[0], kv_heads=heads[1], head_dim=128, itemsize=2)
+    both = lambda r, f: f(r, backward=False) + f(r, backward=True)  # noqa: E731
+    seq = max(both(r, lambda r_, backward: result.bytes_sent(r_, **{**shapes, "backward": backward}))
+              for r in range(world))
+    head = max(both(r, lambda r_, backward: head_bytes_sent(result, r_, **shapes, backward=backward))
+               for r in range(world))
+    return world if head < seq else 1
+
+
 def units_positions(units: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Token positions covered by ``units`` (in their order); ``starts`` from ``ShardPlan.unit_starts``."""
     units = np.asarray(units, dtype=np.int64)
@@ -403,7 +453,7 @@ def _heads(heads: Any) -> tuple[int, int]:
 def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = None,
          chunks_per_rank: Optional[int] = None, schedule: str = "auto",
          max_imbalance: float = DEFAULT_MAX_IMBALANCE, weights: Optional[Mapping] = None, route: str = "auto",
-         heads: Optional[tuple[int, int]] = None) -> ShardPlan:
+         heads: Optional[tuple[int, int]] = None, head_parallel: Any = False) -> ShardPlan:
     """Plan context-parallel attention of ``block_mask`` over ``world_size`` ranks.
 
     ``strategy`` (``contiguous``, ``zigzag``, ``lpt``; None tries all) and ``chunks_per_rank`` pin
@@ -411,8 +461,11 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     ``BLOCK_WEIGHTS`` per BlockType (measured costs, say). ``route``: ``auto`` lets queries travel
     to their keys where that moves fewer bytes (routing.py), ``keys`` always moves K/V,
     ``queries`` moves the queries of every remote pair (tests, measurements). ``heads``:
-    ``(q_heads, kv_heads)``, for the byte counts that decide (default equal). Pure NumPy on a
-    host copy of the metadata: no GPU needed."""
+    ``(q_heads, kv_heads)``, for the byte counts that decide (default equal). ``head_parallel``:
+    True runs the call as all-to-alls over heads (heads.py); ``"auto"`` does so when ``heads`` is
+    given, the kv heads divide among the ranks and that moves fewer bytes (the all-to-alls do not
+    overlap compute, the ring does: ``model.best_layout`` compares predicted times instead);
+    False (default) never. Pure NumPy on a host copy of the metadata: no GPU needed."""
     world_size = check_int(world_size, "world_size", minimum=1)
     if strategy is not None and strategy not in STRATEGIES:
         raise ArgumentError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
@@ -435,13 +488,15 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
         gather = (world_size > 1 and not best.moved.any()
                   and needed_fraction(best.need, best.unit_owner, mw.unit_tokens) >= ALLGATHER_MIN_FRACTION)
         schedule = "allgather" if gather else "ring"
-    return ShardPlan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
+    result = ShardPlan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
                      best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
                      mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, best.attends,
                      max_imbalance, moved=best.moved, traffic=best.traffic, candidates=tuple(found), mask=block_mask,
                      route=route if best.moved.any() else "keys")
+    degree = _choose_heads(result, head_parallel, None if heads is None else _heads(heads))
+    return result if degree == 1 else dataclasses.replace(result, head_parallel=degree, _cache={})
 
 
 __all__ = ["ShardPlan", "Candidate", "MaskWork", "plan", "mask_work", "contiguous", "zigzag", "lpt", "units_positions",
            "unit_runs", "needed_fraction", "BLOCK_WEIGHTS", "STRATEGIES", "SCHEDULES", "ROUTES",
-           "ALLGATHER_MIN_FRACTION"]
+           "ALLGATHER_MIN_FRACTION", "head_bytes_sent"]

@@ -27,6 +27,7 @@ from .. import arrays
 from ..errors import ArgumentError, MaskError
 from .comm import Communicator
 from .errors import BackwardUnavailableError, CommunicationError, DistributedError
+from . import heads
 from .exchange import KVExchange
 from .merge import add_sink, merge_into, sink_gradient
 from .planner import ShardPlan
@@ -230,6 +231,8 @@ def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, sc
     comm.check()
 
     def run():
+        if plan.head_parallel > 1:
+            return heads.forward(q, k, v, plan, comm, scale=scale, stages=stages)
         exchange = KVExchange(comm, prog, k, v, queries=(q,) if _has_queries(prog) else ())
         return forward_steps(q, k, v, prog, exchange, scale=scale, stages=stages)
 
@@ -371,6 +374,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     comm.check()
 
     def run():
+        if plan.head_parallel > 1:
+            return heads.backward(dout, q, k, v, out, lse, plan, comm, bwd, dict(scale=scale, deterministic=deterministic))
         exchange = KVExchange(comm, prog, k, v, returns=True,
                               queries=(q, dout, out, lse) if _has_queries(prog) else ())
         return backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
