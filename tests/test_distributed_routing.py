@@ -136,3 +136,12 @@ def test_best_prefix_moves_the_heavy_rows_only():
     owner = np.array([0] * 10 + [1] * 10)
     moved = routing.route(q_unit, kv_unit, owner, np.full(20, 128), 2, routing.TokenCosts.of(1, 1))
     assert moved[:, 1].tolist() == [True] + [False] * 19 and not moved[:, 0].any()
+
+
+@pytest.mark.parametrize("call", ["shard", "gather_shards"])
+def test_sharding_refuses_a_missing_plan(call):
+    from omnicupy.distributed import sharding
+
+    x = np.zeros((1, 1, 256, 4))
+    with pytest.raises(ArgumentError, match="plan must come"):
+        sharding.shard(x, None, 0) if call == "shard" else sharding.gather_shards([x], None)

@@ -184,7 +184,8 @@ def forward_steps(q: Any, k: Any, v: Any, prog: RankProgram, exchange: Any, *, s
             o_slot, lse_slot = exchange.answer_buffers(step.step)
             o_slot[...] = o
             lse_slot[...] = guest_lse
-        exchange.done(step.step)
+        if step.recv is not None or step.q_recv is not None:  # a rank with nothing here records nothing
+            exchange.done(step.step)
         exchange.post_return(step.step)
     exchange.finish()
     for step in prog.remote_steps:  # answers to this rank's travelling queries, merged in step order
