@@ -114,13 +114,13 @@ def replay_backward(plan, q, k, v, dout, out, lse, scale):
     return [sharding.gather_shards(x, plan) for x in (dq, dk, dv)]
 
 
-def check_replay(plan, dense, *, heads=2, kv_heads=2, seed=0, head_dim=16, scale=0.25, where=""):
+def check_replay(plan, dense, *, heads=2, kv_heads=2, seed=0, head_dim=16, scale=0.25, where="", batch=1):
     """Replay forward and backward on seeded inputs and compare with the whole-sequence reference."""
     n = plan.seq_len
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((1, heads, n, head_dim))
-    k, v = (rng.standard_normal((1, kv_heads, n, head_dim)) for _ in range(2))
-    dout = rng.standard_normal((1, heads, n, head_dim))
+    q = rng.standard_normal((batch, heads, n, head_dim))
+    k, v = (rng.standard_normal((batch, kv_heads, n, head_dim)) for _ in range(2))
+    dout = rng.standard_normal((batch, heads, n, head_dim))
     want_o, want_lse = reference.attention(q, k, v, dense, scale=scale, return_lse=True)
     parts = replay_forward(plan, q, k, v, scale)
     out = sharding.gather_shards([o for o, _ in parts], plan)

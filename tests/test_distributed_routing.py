@@ -145,3 +145,45 @@ def test_sharding_refuses_a_missing_plan(call):
     x = np.zeros((1, 1, 256, 4))
     with pytest.raises(ArgumentError, match="plan must come"):
         sharding.shard(x, None, 0) if call == "shard" else sharding.gather_shards([x], None)
+
+
+# ------------------------------------------------------------------------------ packed batches
+@pytest.mark.parametrize("world,route", [(2, "auto"), (3, "queries"), (4, "keys")])
+def test_per_sequence_masks_of_a_batch(world, route):
+    """B = 2 sequences with masks of their own (Bm = B): one plan serves both, exact."""
+    from omnicupy import BlockMask
+
+    n = 1536
+    one, two = family_mask("global_window", n, block=64), family_mask("document", n, seed=SEED, block=64)
+    width = max(one.kv_indices.shape[-1], two.kv_indices.shape[-1])
+
+    def padded(a, fill=0):
+        a = np.asarray(a)
+        return np.concatenate([a, np.full(a.shape[:-1] + (width - a.shape[-1],), fill, a.dtype)], axis=-1)
+
+    pool_one = np.asarray(one.partial_block_masks)
+    pidx_two = padded(two.partial_block_mask_indices) + len(pool_one)
+    bm = BlockMask(np.concatenate([np.asarray(one.kv_num_blocks), np.asarray(two.kv_num_blocks)]),
+                   np.concatenate([padded(one.kv_indices), padded(two.kv_indices)]),
+                   np.concatenate([padded(one.block_mask_types), padded(two.block_mask_types)]),
+                   q_len=n, kv_len=n, q_block_size=64, kv_block_size=64,
+                   partial_block_mask_indices=np.concatenate([padded(one.partial_block_mask_indices), pidx_two]),
+                   partial_block_masks=np.concatenate([pool_one, np.asarray(two.partial_block_masks)]))
+    dense = bm.to_dense()
+    assert dense.shape[0] == 2 and not np.array_equal(dense[0], dense[1])
+    plan = planner.plan(bm, world, route=route)
+    check_replay(plan, dense, batch=2, seed=SEED + world, where=f"batch of 2, {plan}")
+
+
+def test_varlen_sequences_are_documents():
+    """Packed varlen sequences (cu_seqlens) are a document mask over the packed row: sharded like any."""
+    from omnicupy import masks
+
+    from distributed_cases import host_mask
+
+    cu_seqlens = np.array([0, 300, 310, 1100, 1536])
+    ids = masks.doc_ids_from_lengths(np.diff(cu_seqlens))
+    bm = host_mask(masks.document(ids), 1536, q_block_size=64, kv_block_size=64)
+    for world in (2, 3):
+        plan = planner.plan(bm, world)
+        check_replay(plan, bm.to_dense(), seed=SEED, where=f"varlen, {plan}")
