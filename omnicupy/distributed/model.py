@@ -210,7 +210,9 @@ def best_layout(make_plan, seq_len: int, world: int, shapes: Shapes = Shapes(),
         seq = world // h
         group = replace(shapes, heads=shapes.heads // h, kv_heads=shapes.kv_heads // h)
         plan = make_plan(seq, (group.heads, group.kv_heads))
-        base = predict(plan, group, machine, backward=backward)
+        # sequence rank i of a head group sits at world rank i * h: h times fewer of them share a node
+        spread = replace(machine, gpus_per_node=max(1, machine.gpus_per_node // h))
+        base = predict(plan, group, spread, backward=backward)
         tokens = seq_len // world
         a2a = all_to_all_bytes(tokens, shapes, h, backward=False) + (
             all_to_all_bytes(tokens, shapes, h, backward=True) if backward else 0)
@@ -229,13 +231,13 @@ def best_layout(make_plan, seq_len: int, world: int, shapes: Shapes = Shapes(),
 
 
 def family_table(names=None, lengths=(131072, 1048576), worlds=(2, 4, 8, 16, 32, 64), shapes: Shapes = Shapes(),
-                 machine: Machine = H200_NVLINK_IB, blocks: int = 512) -> list[dict]:
+                 machine: Machine = H200_NVLINK_IB, blocks: int = 512):
     """Predicted forward+backward efficiency of every family (families.py) at each length and world
-    size, with the fastest layout and the busiest rank's bytes; plans on ``blocks`` blocks per side."""
+    size, with the fastest layout and the busiest rank's bytes; plans on ``blocks`` blocks per side.
+    Yields one row (a dict) at a time."""
     from . import families
     from .planner import plan as make_plan
 
-    rows = []
     for name in names or families.NAMES:
         for n in lengths:
             bm = families.block_mask(name, n, n // blocks)
@@ -244,11 +246,9 @@ def family_table(names=None, lengths=(131072, 1048576), worlds=(2, 4, 8, 16, 32,
                     continue
                 layouts = best_layout(lambda ranks, heads: make_plan(bm, ranks, heads=heads), n, w, shapes, machine)
                 best, seq_only = layouts[0], next(lay for lay in layouts if lay.heads == 1)
-                rows.append(dict(family=name, n=n, world=w, layout=best.name, efficiency=best.prediction.efficiency,
-                                 sequence_efficiency=seq_only.prediction.efficiency,
-                                 mib_per_rank=best.bytes_per_rank / 2**20,
-                                 sequence_mib_per_rank=seq_only.bytes_per_rank / 2**20))
-    return rows
+                yield dict(family=name, n=n, world=w, layout=best.name, efficiency=best.prediction.efficiency,
+                           sequence_efficiency=seq_only.prediction.efficiency, mib_per_rank=best.bytes_per_rank / 2**20,
+                           sequence_mib_per_rank=seq_only.bytes_per_rank / 2**20)
 
 
 def calibrated(machine: Machine, *, forward_tflops: Optional[float] = None, backward_tflops: Optional[float] = None,
@@ -297,7 +297,8 @@ def main(argv=None) -> int:
         print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
         for r in family_table(shapes=shapes, machine=machine):
             print(f"| {r['family']} | {r['n']} | {r['world']} | {r['layout']} | {r['efficiency']:.2f} | "
-                  f"{r['mib_per_rank']:.0f} | {r['sequence_efficiency']:.2f} | {r['sequence_mib_per_rank']:.0f} |")
+                  f"{r['mib_per_rank']:.0f} | {r['sequence_efficiency']:.2f} | {r['sequence_mib_per_rank']:.0f} |",
+                  flush=True)
         return 0
     print(f"{machine.name}; B={shapes.batch} H={shapes.heads} Hkv={shapes.kv_heads} D={shapes.head_dim} fp16")
     print("| N | GPUs | tokens/GPU | fwd ms | fwd efficiency | fwd hidden | fwd+bwd ms | fwd+bwd efficiency | "
