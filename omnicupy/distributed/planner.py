@@ -46,7 +46,7 @@ from ..errors import ArgumentError
 from .assign import contiguous, lpt, zigzag
 from . import routing
 from .routing import TokenCosts, Traffic
-from .work import BLOCK_WEIGHTS, MaskWork, mask_work
+from .work import BLOCK_WEIGHTS, MaskWork, mask_work, unit_runs, units_positions
 
 STRATEGIES = ("contiguous", "zigzag", "lpt")
 SCHEDULES = ("auto", "ring", "allgather")
@@ -317,31 +317,6 @@ def _choose_heads(result: ShardPlan, option: Any, heads: Optional[tuple[int, int
     head = max(both(r, lambda r_, backward: head_bytes_sent(result, r_, **shapes, backward=backward))
                for r in range(world))
     return world if head < seq else 1
-
-
-def units_positions(units: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Token positions covered by ``units`` (in their order); ``starts`` from ``ShardPlan.unit_starts``."""
-    units = np.asarray(units, dtype=np.int64)
-    if not units.size:
-        return np.zeros(0, dtype=np.int64)
-    lengths = starts[units + 1] - starts[units]
-    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts[units], lengths) + offsets
-
-
-def unit_runs(units: np.ndarray, starts: np.ndarray) -> list[tuple[int, int, int]]:
-    """(global start, local start, length) of the runs of consecutive units in ``units``, where the
-    local position is the position in the concatenation of ``units``' tokens."""
-    units = np.asarray(units, dtype=np.int64)
-    runs, local = [], 0
-    if not units.size:
-        return runs
-    breaks = np.flatnonzero(np.diff(units) != 1) + 1
-    for group in np.split(units, breaks):
-        start, end = int(starts[group[0]]), int(starts[group[-1] + 1])
-        runs.append((start, local, end - start))
-        local += end - start
-    return runs
 
 
 def needed_fraction(need: np.ndarray, unit_owner: np.ndarray, unit_tokens: np.ndarray) -> float:

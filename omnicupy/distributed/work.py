@@ -1,7 +1,8 @@
 """The work of a BlockMask at unit granularity: which (q unit, kv unit) pairs carry blocks, and how much.
 
 Knows: a BlockMask's host metadata and the block weights (a cost per BlockType; measured costs go
-in through ``weights=``). Does not know ranks: the planner (planner.py) assigns the units.
+in through ``weights=``), and where units lie in the sequence (``units_positions``, ``unit_runs``).
+Does not know ranks: the planner (planner.py) assigns the units.
 """
 from __future__ import annotations
 
@@ -104,4 +105,30 @@ def mask_work(bm: BlockMask, weights: Optional[Mapping] = None) -> MaskWork:
 
 
 
-__all__ = ["BLOCK_WEIGHTS", "MaskWork", "mask_work"]
+def units_positions(units: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Token positions covered by ``units`` (in their order); ``starts`` from ``ShardPlan.unit_starts``."""
+    units = np.asarray(units, dtype=np.int64)
+    if not units.size:
+        return np.zeros(0, dtype=np.int64)
+    lengths = starts[units + 1] - starts[units]
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts[units], lengths) + offsets
+
+
+def unit_runs(units: np.ndarray, starts: np.ndarray) -> list[tuple[int, int, int]]:
+    """(global start, local start, length) of the runs of consecutive units in ``units``, where the
+    local position is the position in the concatenation of ``units``' tokens."""
+    units = np.asarray(units, dtype=np.int64)
+    runs, local = [], 0
+    if not units.size:
+        return runs
+    breaks = np.flatnonzero(np.diff(units) != 1) + 1
+    for group in np.split(units, breaks):
+        start, end = int(starts[group[0]]), int(starts[group[-1] + 1])
+        runs.append((start, local, end - start))
+        local += end - start
+    return runs
+
+
+
+__all__ = ["BLOCK_WEIGHTS", "MaskWork", "mask_work", "units_positions", "unit_runs"]
