@@ -174,6 +174,7 @@ class KVExchange:
         """Step s's received queries: ``(q,)`` in the forward, ``(q, dout, out, lse)`` in the
         backward, each ``[B, Hq, n, ...]``; the compute stream waits for them."""
         self._wait_arrival(s)
+        assert self.queries is not None, "no travelling queries in this call"
         return self.queries.received(self._step(s), self._slot(s))
 
     def answer_buffers(self, s: int) -> tuple:
@@ -183,10 +184,12 @@ class KVExchange:
         if self._answer_sent[slot] is not None:
             self.compute.wait_event(self._answer_sent[slot])
             self._answer_sent[slot] = None
+        assert self.queries is not None, "no travelling queries in this call"
         return self.queries.answer(self._step(s), slot)
 
     def answers(self, s: int) -> tuple:
         """The answer for the queries this rank sent at step s (valid after ``finish``)."""
+        assert self.queries is not None, "no travelling queries in this call"
         return self.queries.answered[s]
 
     def done(self, s: int) -> None:

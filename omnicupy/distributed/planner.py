@@ -107,7 +107,7 @@ class ShardPlan:
     need: np.ndarray  # [W, U]: rank w receives unit u's K/V
     attends: np.ndarray  # [U, W]: some query of unit u attends some key of rank w
     max_imbalance: float
-    moved: np.ndarray = field(compare=False, default=None)  # [U, W]: unit u's queries travel to rank w
+    moved: Optional[np.ndarray] = field(compare=False, default=None)  # [U, W]: unit u's queries travel to rank w
     traffic: Optional[Traffic] = field(compare=False, default=None)
     route: str = "keys"
     head_parallel: int = 1  # W: heads.py runs the call (all-to-alls over heads), not the steps

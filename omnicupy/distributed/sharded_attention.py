@@ -336,8 +336,8 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
             total = guests[i]
             cp.add(total, grad.astype(np.float32), out=total)
             if returned is not None:
-                for local, at, n in prog.returned:
-                    window = total[:, :, local:local + n]
+                for row, at, n in prog.returned:
+                    window = total[:, :, row:row + n]
                     cp.add(window, returned[:, :, at:at + n], out=window)
             grad[...] = total
         elif returned is not None:
