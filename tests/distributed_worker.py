@@ -187,6 +187,9 @@ def run_failure(case: Case, comm) -> dict:
     bm = BlockMask.from_mask_mod(mask_mod(case.mask, n, case.seed), None, None, n, n)
     plan = dist.plan(bm, comm.size)
     x = cp.zeros((1, case.heads, plan.local_len(comm.rank), HEAD_DIM), dtype=cp.float16)
+    dist.attention(x, x, x, plan, comm)  # every rank once: NCCL sets up its peer connections (lazily, blocking)
+    cp.cuda.get_current_stream().synchronize()
+    comm.barrier()
     comm.timeout_s = FAILURE_TIMEOUT_S
     start = time.monotonic()
     try:

@@ -43,7 +43,8 @@ class StubEvent:
     def __init__(self, done_after: float):
         self.at = time.monotonic() + done_after
 
-    def query(self):
+    @property
+    def done(self):  # cupy.cuda.Event.done
         return time.monotonic() >= self.at
 
 
@@ -125,7 +126,7 @@ def test_a_failing_rank_makes_every_rank_raise(monkeypatch, route):
     cp = fd.FakeCupy()
     monkeypatch.setattr(arrays, "cupy_module", lambda: cp)
     monkeypatch.setitem(merge._fused, "failed", True)
-    monkeypatch.setattr(fd.FakeEvent, "query", lambda self: self.recorded, raising=False)
+    monkeypatch.setattr(fd.FakeEvent, "done", property(lambda self: self.recorded), raising=False)
     import threading
 
     calls = {}

@@ -29,7 +29,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(omnicupy, "attention", fd.fake_attention)
         monkeypatch.setattr(omnicupy, "attention_backward", fd.fake_attention_backward, raising=False)
         monkeypatch.setitem(merge._fused, "failed", True)  # no CUDA compiler behind the stand-ins
-        monkeypatch.setattr(fd.FakeEvent, "query", lambda self: self.recorded, raising=False)  # work runs at once
+        monkeypatch.setattr(fd.FakeEvent, "done", property(lambda self: self.recorded), raising=False)  # runs at once
         return cp
 
     return activate

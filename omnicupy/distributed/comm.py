@@ -220,7 +220,7 @@ class Communicator:
         deadline = time.monotonic() + timeout_s
         while True:
             self.check()
-            if event.query():
+            if event.done:
                 return
             if time.monotonic() > deadline:
                 self.abort()
