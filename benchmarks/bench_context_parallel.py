@@ -1,8 +1,10 @@
-"""Context parallelism on 2 GPUs against one GPU: forward and forward+backward time, speedup, bytes
-sent per rank and the fraction of communication hidden under compute.
+"""Context parallelism on 2 or 4 GPUs against one GPU: forward and forward+backward time, speedup,
+bytes sent per rank and the fraction of communication hidden under compute, for issue 39's mask
+families (tests/distributed_cases.py).
 
-    python benchmarks/bench_context_parallel.py                 # issue 18's cases; table last
-    python benchmarks/bench_context_parallel.py --masks causal --n 65536 --repeats 3 --json cp.json
+    NCCL_NVLS_ENABLE=0 python benchmarks/bench_context_parallel.py --gpus 4 --out cp4.json    # every family
+    NCCL_NVLS_ENABLE=0 python benchmarks/bench_context_parallel.py --gpus 2 --out cp2.json
+    python benchmarks/bench_context_parallel.py --masks causal,global_window --n 65536 --repeats 3
 
 Spawns one process per GPU itself (no launcher needed; NVLink multicast stays off). Per mask, B 1,
 H 16, D 128, fp16 by default: correctness first (the distributed output, and gradients when
@@ -35,31 +37,24 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from omnicupy import arrays  # noqa: E402  (CuPy through it: nothing here imports CuPy before a GPU is known)
 
-MASKS = ("causal", "document", "sliding_window_4096", "interleaved")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the families live beside the tests
+from distributed_cases import FAMILIES, family_mod, random_blocks  # noqa: E402
+
+MASKS = FAMILIES
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}
 
 
 def mask_mod(name: str, n: int):
-    """Issue 18's masks: causal, documents of 256-2048 tokens, sliding window 4096, text 512 / image 576."""
-    from omnicupy import masks
-
-    if name == "causal":
-        return masks.causal()
-    if name == "sliding_window_4096":
-        return masks.sliding_window(4096)
-    if name == "document":
-        lengths = np.random.default_rng(0).integers(256, 2049, size=n // 256 + 1)
-        return masks.document(masks.doc_ids_from_lengths(lengths)[:n])
-    if name == "interleaved":
-        sizes = [512, 576] * (n // 1088 + 1)
-        return masks.interleaved([("text" if i % 2 == 0 else "image", s) for i, s in enumerate(sizes)])
-    raise ValueError(f"unknown mask {name!r}; choose from {MASKS}")
+    """The mask_mod of a family (tests/distributed_cases.py: 64 global tokens, 2048 windows, ...)."""
+    return family_mod(name, n)
 
 
 def build_mask(name: str, n: int):
     """The BlockMask of ``name`` at length n (built where the builders choose: the GPU here)."""
     from omnicupy import BlockMask
 
+    if name.startswith("random_"):
+        return random_blocks(n, int(name.split("_")[1]) / 100)
     return BlockMask.from_mask_mod(mask_mod(name, n), None, None, n, n)
 
 
@@ -93,13 +88,22 @@ class Resident:
     """Stands in for KVExchange with every message already in place: the distributed call's own
     step loop (sharded_attention.forward_steps / backward_steps) with no transfer at all."""
 
-    def __init__(self, prog, messages: dict, returns: dict, returned_shape) -> None:
+    def __init__(self, prog, messages: dict, returns: dict, returned_shape, guests: dict, answers: dict) -> None:
         cp = arrays.cupy_module()
 
-        self.messages, self.returns = messages, returns
+        self.messages, self.returns, self.guests, self._answers = messages, returns, guests, answers
         self.dk = self.dv = None
         if returned_shape is not None:
             self.dk, self.dv = (cp.zeros(returned_shape, dtype=cp.float32) for _ in range(2))
+
+    def guest(self, s):
+        return self.guests[s]
+
+    def answer_buffers(self, s):
+        return self._answers[("out", s)]
+
+    def answers(self, s):
+        return self._answers[("in", s)]
 
     def post(self, s):
         pass
@@ -120,11 +124,11 @@ class Resident:
         pass
 
 
-def transfers_only(comm, prog, k, v, *, returns: bool):
-    """The distributed call's NCCL transfers with no compute (partials sent as they lie)."""
+def transfers_only(comm, prog, k, v, *, returns: bool, queries: tuple = ()):
+    """The distributed call's NCCL transfers with no compute (partials and answers sent as they lie)."""
     from omnicupy.distributed.exchange import KVExchange
 
-    exchange = KVExchange(comm, prog, k, v, returns=returns)
+    exchange = KVExchange(comm, prog, k, v, returns=returns, queries=queries)
     exchange.post(1)
     for step in prog.remote_steps:
         exchange.post(step.step + 1)
@@ -132,9 +136,12 @@ def transfers_only(comm, prog, k, v, *, returns: bool):
             exchange.kv(step.step)
             if returns:
                 exchange.return_buffers(step.step)
+        if step.q_recv is not None:
+            exchange.guest(step.step)
+            exchange.answer_buffers(step.step)
+        if step.recv is not None or step.q_recv is not None:
             exchange.done(step.step)
-        if returns:
-            exchange.post_return(step.step)
+        exchange.post_return(step.step)
     exchange.finish()
 
 
@@ -157,7 +164,7 @@ def run_mask(name: str, args, comm) -> dict:
     n, heads, kv_heads, d = args.n, args.heads, args.kv_heads or args.heads, args.head_dim
     dtype = {"fp16": np.float16, "bf16": arrays.BFLOAT16}[args.dtype]
     bm = build_mask(name, n)
-    plan = dist.plan(bm, comm.size, strategy=args.strategy)
+    plan = dist.plan(bm, comm.size, strategy=args.strategy, route=args.route, heads=(heads, kv_heads))
     prog = dist.program(plan, comm.rank)
     rng = np.random.default_rng(args.seed)
     q = cp.asarray(rng.standard_normal((1, heads, n, d)).astype(dtype))
@@ -167,9 +174,11 @@ def run_mask(name: str, args, comm) -> dict:
     has_backward = getattr(omnicupy, "attention_backward", None) is not None
     shapes = dict(batch=1, kv_heads=kv_heads, head_dim=d, itemsize=np.dtype(dtype).itemsize)
     row = dict(mask=name, n=n, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=args.dtype, seed=args.seed,
-               plan=f"{plan.strategy} x{plan.chunks_per_rank}, {plan.schedule}", imbalance=plan.imbalance,
-               bytes_sent_forward=max(plan.bytes_sent(r, **shapes) for r in range(comm.size)),
-               bytes_sent_backward=max(plan.bytes_sent(r, **shapes, backward=True) for r in range(comm.size)))  # bwd pass
+               plan=f"{plan.strategy} x{plan.chunks_per_rank}, {plan.schedule}, {plan.route}", imbalance=plan.imbalance,
+               bytes_sent_forward=max(plan.bytes_sent(r, **shapes, q_heads=heads) for r in range(comm.size)),
+               bytes_sent_backward=max(plan.bytes_sent(r, **shapes, q_heads=heads, backward=True)
+                                       for r in range(comm.size)),  # the backward pass alone
+               kv_bytes=2 * n * kv_heads * d * np.dtype(dtype).itemsize)
 
     # correctness first
     want, want_lse = omnicupy.attention(q, k, v, bm, return_lse=True)
@@ -197,16 +206,34 @@ def run_mask(name: str, args, comm) -> dict:
                for k_, v_ in [messages[s.step]]}
     returned_shape = (1, kv_heads, prog.returned_len, d) if prog.returned_len else None
 
+    def rows(length, *, lse=False):
+        shape = (1, heads, length) + (() if lse else (d,))
+        return cp.zeros(shape, cp.float32) if lse else cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+    def resident(backward):
+        guests = {s.step: (rows(s.q_recv.length),) + ((rows(s.q_recv.length), rows(s.q_recv.length),
+                                                        rows(s.q_recv.length, lse=True)) if backward else ())
+                  for s in prog.remote_steps if s.q_recv}
+        answers = {}
+        for s in prog.remote_steps:
+            for key, msg in (("out", s.q_recv), ("in", s.q_send)):
+                if msg is not None:
+                    answers[(key, s.step)] = ((rows(msg.length),) if backward else
+                                              (rows(msg.length), rows(msg.length, lse=True)))
+        return Resident(prog, messages, returns, returned_shape if backward else None, guests, answers)
+
     def compute_only(backward: bool = False):
-        o, l_ = forward_steps(q_r, k_r, v_r, prog, Resident(prog, messages, returns, None))
+        o, l_ = forward_steps(q_r, k_r, v_r, prog, resident(False))
         if backward:
-            backward_steps(do_r, q_r, k_r, v_r, o, l_, prog, Resident(prog, messages, returns, returned_shape),
-                           omnicupy.attention_backward, {})
+            backward_steps(do_r, q_r, k_r, v_r, o, l_, prog, resident(True), omnicupy.attention_backward, {})
 
     row["single_forward_ms"] = timer(lambda: omnicupy.attention(q, k, v, bm, return_lse=True))
     row["forward_ms"] = timer(lambda: dist.attention(q_r, k_r, v_r, plan, comm, return_lse=True))
     row["compute_forward_ms"] = timer(compute_only)
-    row["transfer_forward_ms"] = timer(lambda: transfers_only(comm, prog, k_r, v_r, returns=False))
+    has_q = any(s.q_send is not None or s.q_recv is not None for s in prog.remote_steps)
+    fwd_q = (q_r,) if has_q else ()
+    bwd_q = (q_r, do_r, q_r, cp.zeros(q_r.shape[:3], cp.float32)) if has_q else ()
+    row["transfer_forward_ms"] = timer(lambda: transfers_only(comm, prog, k_r, v_r, returns=False, queries=fwd_q))
     if has_backward:
         def single_both():
             o, l_ = omnicupy.attention(q, k, v, bm, return_lse=True)
@@ -217,8 +244,8 @@ def run_mask(name: str, args, comm) -> dict:
             return dist.attention_backward(do_r, q_r, k_r, v_r, o, l_, plan, comm)
 
         def transfers_both():
-            transfers_only(comm, prog, k_r, v_r, returns=False)
-            transfers_only(comm, prog, k_r, v_r, returns=True)
+            transfers_only(comm, prog, k_r, v_r, returns=False, queries=fwd_q)
+            transfers_only(comm, prog, k_r, v_r, returns=True, queries=bwd_q)
 
         row["single_both_ms"] = timer(single_both)
         row["both_ms"] = timer(dist_both)
@@ -285,22 +312,21 @@ def _fmt(row: dict, key: str, spec: str = ".2f", scale: float = 1.0) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| mask | plan | 1 GPU fwd ms | 2 GPU fwd ms | fwd speedup | model fwd ms | fwd hidden | "
-            "1 GPU f+b ms | 2 GPU f+b ms | f+b speedup | model f+b ms | f+b hidden | MiB sent/rank fwd (f+b) | "
-            "error |")
+    """The short table printed last: speedups, hidden communication and the busiest sender's bytes."""
+    head = ("| mask | plan | fwd speedup | f+b speedup | model f+b | hidden fwd / f+b | "
+            "max sent fwd / bwd (% of K+V) | error |")
     lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['mask']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 12)
+            lines.append(f"| {r['mask']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 6)
             continue
-        both = r["bytes_sent_forward"] + r["bytes_sent_backward"]
-        mib = f"{r['bytes_sent_forward'] / 2**20:.0f} ({both / 2**20:.0f})"
+        sent = f"{100 * r['bytes_sent_forward'] / r['kv_bytes']:.1f} / {100 * r['bytes_sent_backward'] / r['kv_bytes']:.1f}"
+        model = (f"{r['single_both_ms'] / r['model_both_ms']:.2f}x" if r.get("model_both_ms") and r.get("single_both_ms")
+                 else "-")
+        hidden = f"{_fmt(r, 'hidden_forward', '.0%')} / {_fmt(r, 'hidden_both', '.0%')}"
         err = f"{max(r['error_forward'], r.get('error_backward', 0.0)):.1e}" + ("" if r["correct"] else " FAILED")
-        lines.append(" | ".join([
-            f"| {r['mask']}", r["plan"], _fmt(r, "single_forward_ms"), _fmt(r, "forward_ms"), _fmt(r, "speedup_forward"),
-            _fmt(r, "model_forward_ms"), _fmt(r, "hidden_forward", ".0%"), _fmt(r, "single_both_ms"),
-            _fmt(r, "both_ms"), _fmt(r, "speedup_both"), _fmt(r, "model_both_ms"), _fmt(r, "hidden_both", ".0%"),
-            mib, err]) + " |")
+        lines.append(" | ".join([f"| {r['mask']}", r["plan"], _fmt(r, "speedup_forward"), _fmt(r, "speedup_both"),
+                                 model, hidden, sent, err]) + " |")
     return "\n".join(lines)
 
 
@@ -312,13 +338,15 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--strategy", choices=["contiguous", "zigzag", "lpt"], default=None,
                         help="pin the planner's assignment (default: the planner chooses)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--route", choices=["auto", "keys", "queries"], default="auto",
+                        help="what travels: the planner's choice per pair (auto), K/V only, or queries only")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=int, default=3000, help="seconds for the whole run")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--timeout", type=int, default=470, help="seconds for the whole run (8 minutes with start-up)")
+    parser.add_argument("--out", "--json", dest="json", type=Path, default=None, help="also write the rows here (JSON)")
     args = parser.parse_args(argv)
     bad = [m for m in args.masks if m not in MASKS]
     if bad:

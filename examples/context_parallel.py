@@ -39,6 +39,9 @@ def build_mask(name: str, n: int):
     elif name == "document":  # packed documents of 256-2048 tokens, causal inside each
         lengths = np.random.default_rng(0).integers(256, 2049, size=n // 256 + 1)
         mod = masks.document(masks.doc_ids_from_lengths(lengths)[:n])
+    elif name == "global_window":  # 64 global tokens (seen by and seeing everything) + a causal window of 2048
+        mod = masks.or_masks(masks.sliding_window(2048), masks.MaskMod(lambda b, h, q, kv: (q < 64) | (kv < 64),
+                                                                        "global_64"))
     else:  # a VLM sequence: text causal, each 576-token image sees itself whole
         sizes = [512, 576] * (n // 1088 + 1)
         mod = masks.interleaved([("text" if i % 2 == 0 else "image", s) for i, s in enumerate(sizes)])
@@ -47,7 +50,8 @@ def build_mask(name: str, n: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mask", choices=["interleaved", "causal", "document", "sliding_window"], default="interleaved")
+    parser.add_argument("--mask", choices=["interleaved", "causal", "document", "sliding_window", "global_window"],
+                        default="interleaved")
     parser.add_argument("--n", type=int, default=32768, help="sequence length (default 32768)")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=None, help="GQA: fewer k/v heads (default: --heads)")
@@ -64,11 +68,11 @@ def main() -> int:
     comm = dist.init()  # torchrun's or mpirun's environment; one rank when started by neither
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     bm = build_mask(args.mask, args.n)
-    plan = dist.plan(bm, comm.size)
+    kv_heads = args.kv_heads or args.heads
+    plan = dist.plan(bm, comm.size, heads=(args.heads, kv_heads))  # keys or queries travel, per pair
     say(f"{comm.size} rank(s); mask {args.mask}, N={args.n}\n{plan.summary()}")
 
     dtype = {"fp16": np.float16, "bf16": arrays.BFLOAT16}[args.dtype]
-    kv_heads = args.kv_heads or args.heads
     rng = np.random.default_rng(1234)
     shape_q, shape_kv = (1, args.heads, args.n, args.head_dim), (1, kv_heads, args.n, args.head_dim)
     q = cp.asarray(rng.standard_normal(shape_q).astype(dtype))
@@ -83,8 +87,10 @@ def main() -> int:
     cp.cuda.get_current_stream().synchronize()
     comm.barrier()
     ms = (time.perf_counter() - start) / 5 * 1e3
-    sent = plan.bytes_sent(comm.rank, batch=1, kv_heads=kv_heads, head_dim=args.head_dim, itemsize=2)
-    print(f"rank {comm.rank}: {q_r.shape[2]} tokens, forward {ms:.2f} ms, sent {sent / 2**20:.1f} MiB of K/V")
+    sent = plan.bytes_sent(comm.rank, batch=1, kv_heads=kv_heads, head_dim=args.head_dim, itemsize=2,
+                           q_heads=args.heads)
+    print(f"rank {comm.rank}: {q_r.shape[2]} tokens, forward {ms:.2f} ms, sent {sent / 2**20:.1f} MiB "
+          "(K/V, queries and answers)")
 
     out = dist.unshard(out_r, plan, comm)  # every rank gets the whole output
     tol = {"fp16": 3e-3, "bf16": 2e-2}[args.dtype]

@@ -34,6 +34,9 @@ class Case:
     schedule: str = "auto"
     strategy: Optional[str] = None
     float64: bool = False  # compare with omnicupy.reference (small n only) instead of the single-GPU call
+    route: str = "auto"
+    head_parallel: bool = False
+    fail_rank: int = -1  # this rank raises before posting anything: every rank must raise a named error
 
     @property
     def seed(self) -> int:
@@ -57,12 +60,32 @@ CASES = [
     Case("causal-fp16-N1000-float64", "causal", n=1000, heads=2, kv_heads=2, float64=True),
     Case("document-fp16-N1900-float64", "document", n=1900, heads=2, kv_heads=1, float64=True),
     Case("interleaved-bf16-N2000-float64", "interleaved", "bf16", n=2000, heads=2, kv_heads=2, float64=True),
+    # issue 39: travelling queries, chosen and forced, and the other families
+    Case("global_window-fp16", "global_window"),
+    Case("global_window-bf16-gqa-N131072", "global_window", "bf16", heads=4, kv_heads=2, n=131072),
+    Case("sink_window-fp16", "sink_window"),
+    Case("shared_prefix-fp16", "shared_prefix"),
+    Case("cross_attention-fp16-gqa", "cross_attention", heads=4, kv_heads=1),
+    Case("prefix_lm-fp16", "prefix_lm"),
+    Case("random_10-fp16", "random_10"),
+    Case("causal-fp16-queries", "causal", route="queries"),
+    Case("causal-fp16-gqa-heads", "causal", heads=8, kv_heads=4, head_parallel=True),
+    Case("document-bf16-heads", "document", "bf16", head_parallel=True),
+    Case("document-bf16-queries", "document", "bf16", route="queries"),
+    Case("global_window-fp16-N1900-float64-queries", "global_window", n=1900, heads=2, kv_heads=1, float64=True,
+         route="queries"),
 ]
+#: Run last, alone: one rank fails before posting anything; the others must time out with a named error.
+FAILURE_CASE = Case("failure-rank1", "causal", n=8192, fail_rank=1)
 
 
 def mask_mod(name: str, n: int, seed: int):
     from omnicupy import masks
 
+    from distributed_cases import FAMILIES, family_mod
+
+    if name in FAMILIES and name not in ("causal", "document", "interleaved") and not name.startswith("random"):
+        return family_mod(name, n, seed)
     if name == "causal":
         return masks.causal()
     if name == "full":
@@ -113,14 +136,19 @@ def run_case(case: Case, comm) -> dict:
     dtype = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}[case.dtype]
     rng = np.random.default_rng(case.seed)
     n, D = case.n, HEAD_DIM
-    mod = mask_mod(case.mask, n, case.seed)
-    bm = BlockMask.from_mask_mod(mod, None, None, n, n)
+    if case.mask.startswith("random_"):
+        from distributed_cases import random_blocks
+
+        bm = random_blocks(n, int(case.mask.split("_")[1]) / 100, case.seed)
+    else:
+        bm = BlockMask.from_mask_mod(mask_mod(case.mask, n, case.seed), None, None, n, n)
     q = rng.standard_normal((1, case.heads, n, D)).astype(dtype)
     k, v = (rng.standard_normal((1, case.kv_heads, n, D)).astype(dtype) for _ in range(2))
     dout = rng.standard_normal((1, case.heads, n, D)).astype(dtype)
     qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
 
-    plan = dist.plan(bm, comm.size, schedule=case.schedule, strategy=case.strategy)
+    plan = dist.plan(bm, comm.size, schedule=case.schedule, strategy=case.strategy, route=case.route,
+                     heads=(case.heads, case.kv_heads), head_parallel=case.head_parallel)
     if case.float64:
         want_o, want_lse = reference.attention(q, k, v, bm.to_dense(), return_lse=True)
     else:
@@ -130,8 +158,11 @@ def run_case(case: Case, comm) -> dict:
     out_r, lse_r = dist.attention(*shards[:3], plan, comm, return_lse=True)
     out, lse = dist.unshard(out_r, plan, comm), dist.unshard(lse_r, plan, comm)
     result = dict(case=asdict(case), seed=case.seed, strategy=plan.strategy, schedule=plan.schedule,
-                  imbalance=plan.imbalance,
-                  bytes_sent=plan.bytes_sent(rank, batch=1, kv_heads=case.kv_heads, head_dim=D, itemsize=2),
+                  imbalance=plan.imbalance, route=plan.route, plan=str(plan),
+                  bytes_sent=plan.bytes_sent(rank, batch=1, kv_heads=case.kv_heads, head_dim=D, itemsize=2,
+                                             q_heads=case.heads),
+                  bytes_sent_backward=plan.bytes_sent(rank, batch=1, kv_heads=case.kv_heads, head_dim=D, itemsize=2,
+                                                      q_heads=case.heads, backward=True),
                   out=_relative(out, want_o), lse=_lse_error(lse, want_lse), backward=None)
     if getattr(omnicupy, "attention_backward", None) is not None and not case.float64:
         want = omnicupy.attention_backward(dod, qd, kd, vd, want_o, want_lse, bm)
@@ -140,6 +171,40 @@ def run_case(case: Case, comm) -> dict:
                               for name, g, w in zip(("dq", "dk", "dv"), got, want)}
     cp.cuda.get_current_stream().synchronize()
     return result
+
+
+def run_failure(case: Case, comm) -> dict:
+    """One rank raises before posting anything; every rank must end with a named error, in time."""
+    import time
+
+    import cupy as cp
+
+    from omnicupy import BlockMask
+    from omnicupy import distributed as dist
+    from omnicupy.distributed.errors import CommunicationError
+
+    n = case.n
+    bm = BlockMask.from_mask_mod(mask_mod(case.mask, n, case.seed), None, None, n, n)
+    plan = dist.plan(bm, comm.size)
+    x = cp.zeros((1, case.heads, plan.local_len(comm.rank), HEAD_DIM), dtype=cp.float16)
+    dist.attention(x, x, x, plan, comm)  # every rank once: NCCL sets up its peer connections (lazily, blocking)
+    cp.cuda.get_current_stream().synchronize()
+    comm.barrier()
+    comm.timeout_s = FAILURE_TIMEOUT_S
+    start = time.monotonic()
+    try:
+        if comm.rank == case.fail_rank:
+            comm.abort()  # what a rank does when it fails in the middle of a call
+            raise CommunicationError(f"rank {comm.rank}: injected failure")
+        dist.attention(x, x, x, plan, comm)
+        outcome = "finished"
+    except CommunicationError as exc:
+        outcome = type(exc).__name__
+    return dict(outcome=outcome, seconds=time.monotonic() - start, aborted=comm.aborted)
+
+
+#: The failure case's timeout; the test allows this plus a margin.
+FAILURE_TIMEOUT_S = 20.0
 
 
 def main(rank: int, world_size: int, port: int, cases, queue) -> None:
@@ -154,11 +219,12 @@ def main(rank: int, world_size: int, port: int, cases, queue) -> None:
         results["_init"] = dict(rank=comm.rank, size=comm.size, device=comm.device)
         for case in cases:
             try:
-                results[case.id] = run_case(case, comm)
+                results[case.id] = run_failure(case, comm) if case.fail_rank >= 0 else run_case(case, comm)
             except Exception:  # noqa: BLE001 - reported to the parent, which fails the case
                 results[case.id] = {"error": traceback.format_exc()}
-        comm.barrier()
-        comm.close()
+        if not comm.aborted:
+            comm.barrier()
+            comm.close()
     except Exception:  # noqa: BLE001
         results["_init"] = {"error": traceback.format_exc()}
     queue.put((rank, results))

@@ -19,6 +19,7 @@ from omnicupy.distributed import sharded_attention
 from omnicupy.errors import ArgumentError, MaskError
 
 from distributed_cases import host_mask, issue_mask
+from distributed_replay import check_replay
 from helpers import random_block_mask
 from mask_cases import alternating_segments, random_lengths
 
@@ -80,8 +81,11 @@ def test_balance_at_8_ranks(name):
     grid = bm.block_grid()[0, 0]
     weights = np.array([planner.BLOCK_WEIGHTS[t] for t in sorted(planner.BLOCK_WEIGHTS)])
     row_work = weights[grid].sum(axis=1)
-    owner_of_row = plan.unit_owner[np.arange(grid.shape[0]) * 128 // plan.unit]
-    np.testing.assert_allclose(plan.rank_work, np.bincount(owner_of_row, weights=row_work, minlength=8))
+    assert plan.rank_work.sum() == row_work.sum()  # travelling queries move work, never make or lose it
+    keys = planner.plan(bm, 8, route="keys")  # keys only: a rank computes its own rows' work
+    owner_of_row = keys.unit_owner[np.arange(grid.shape[0]) * 128 // keys.unit]
+    np.testing.assert_allclose(keys.rank_work, np.bincount(owner_of_row, weights=row_work, minlength=8))
+    assert keys.imbalance <= 1.05, keys.summary()
 
 
 def test_zigzag_balances_causal_exactly():
@@ -223,7 +227,13 @@ def test_step_submasks_match_the_dense_mask(name, n, world, qbs, kbs, strategy):
                 if step.step:  # the part's rows sit in the compact accumulator where the program says
                     acc = [a + part.q_start - lo for lo, a, n in prog.touched if lo <= part.q_start < lo + n]
                     assert acc == [part.acc_start]
+            if step.step:  # rows whose queries travel to the message's owner are computed there
+                covered |= _travelling_rows(plan, r, step.src, q_pos)
             assert not want[:, :, ~covered].any(), f"{name} rank {r} step {step.step}: rows left out"
+            if step.step and step.q_recv is not None:  # the guest mask: src's queries against all of r's keys
+                g_pos = planner.units_positions(step.q_recv.units, starts)
+                guest_want = dense[:, :, g_pos][:, :, :, q_pos]
+                assert np.array_equal(np.broadcast_to(step.guest.to_dense(), guest_want.shape), guest_want)
         for lo, a, n in prog.returned:  # every returned row of a message lands in the compact buffer
             assert 0 <= lo and lo + n <= plan.local_len(r)
         for step in prog.remote_steps:
@@ -231,6 +241,12 @@ def test_step_submasks_match_the_dense_mask(name, n, world, qbs, kbs, strategy):
                 for (own, at, n), (acc, at2, n2) in zip(step.send.runs, step.send.acc_runs):
                     assert (at, n) == (at2, n2)
                     assert [a + own - lo for lo, a, m in prog.returned if lo <= own < lo + m] == [acc]
+
+
+def _travelling_rows(plan, rank, dst, q_pos):
+    """[L] bool: the rows of rank's shard whose queries travel to rank ``dst`` (routing.py)."""
+    units = np.flatnonzero((plan.unit_owner == rank) & plan.moved[:, dst])
+    return np.isin(q_pos, planner.units_positions(units, plan.unit_starts()))
 
 
 def test_causal_blocks_stay_causal_in_the_local_step():
@@ -346,115 +362,13 @@ def softmax_parts(scores, values, allowed):
 
 
 # ------------------------------------------------------------------ the whole call, replayed
-def reference_pair(q, k, v, dense, scale):
-    return reference.attention(q, k, v, dense, scale=scale, return_lse=True)
-
-
-def replay_forward(plan, q, k, v, dense, scale):
-    """Every rank's program with the float64 reference as the kernel; returns each rank's (out, lse)."""
-    world = plan.world_size
-    q_sh, k_sh, v_sh = ([sharding.shard(x, plan, r) for r in range(world)] for x in (q, k, v))
-    results = []
-    for r in range(world):
-        prog = steps.program(plan, r)
-        out = np.zeros(q_sh[r].shape)
-        lse = np.full(q_sh[r].shape[:3], -np.inf)
-        for step in prog.steps:
-            if step.step == 0:
-                k_msg, v_msg = k_sh[r], v_sh[r]
-            elif step.recv is None:
-                continue
-            else:
-                k_msg, v_msg = cut_message(plan, step.src, step.step, k_sh, v_sh)
-            for part in step.parts:
-                rows = slice(part.q_start, part.q_start + part.q_len)
-                o, l_ = reference_pair(q_sh[r][:, :, rows], k_msg, v_msg, part.mask.to_dense(), scale)
-                merge.merge_into(out[:, :, rows], lse[:, :, rows], o, l_, np)
-        results.append((out, lse))
-    return results
-
-
-def cut_message(plan, owner, step_index, k_sh, v_sh):
-    """What ``owner`` sends at ``step_index``, cut by the owner's own runs."""
-    send = steps.program(plan, owner).steps[step_index].send
-    k_msg = np.concatenate([k_sh[owner][:, :, o:o + n] for o, _, n in send.runs], axis=2)
-    v_msg = np.concatenate([v_sh[owner][:, :, o:o + n] for o, _, n in send.runs], axis=2)
-    return k_msg, v_msg
-
-
-def pair_backward(q, k, v, dout, out, lse, dense, scale):
-    """float64 gradients of one (queries, keys) pair given the global out and lse of the queries
-    (FlashAttention-2's decomposition); GQA: dK/dV summed over each kv head's query heads."""
-    B, Hq, _, _ = q.shape
-    group = Hq // k.shape[1]
-    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = scale * (q @ kk.swapaxes(-1, -2))
-    allowed = np.broadcast_to(dense, s.shape)
-    lse_safe = np.where(np.isfinite(lse), lse, 0)[..., None]
-    p = np.where(allowed, np.exp(np.where(allowed, s, 0) - lse_safe), 0)
-    dp = dout @ vv.swapaxes(-1, -2)
-    delta = (dout * out).sum(-1, keepdims=True)
-    ds = p * (dp - delta)
-    dq = scale * (ds @ kk)
-    dk = scale * (ds.swapaxes(-1, -2) @ q)
-    dv = p.swapaxes(-1, -2) @ dout
-    fold = lambda x: x.reshape(B, -1, group, *x.shape[2:]).sum(axis=2)  # noqa: E731
-    return dq, fold(dk), fold(dv)
-
-
-def replay_backward(plan, q, k, v, dout, out, lse, scale):
-    world = plan.world_size
-    sh = lambda x, r: sharding.shard(x, plan, r)  # noqa: E731
-    q_sh, k_sh, v_sh = ([sh(x, r) for r in range(world)] for x in (q, k, v))
-    do_sh, o_sh, l_sh = ([sh(x, r) for r in range(world)] for x in (dout, out, lse))
-    dq = [np.zeros_like(x) for x in q_sh]
-    dk = [np.zeros_like(x) for x in k_sh]
-    dv = [np.zeros_like(x) for x in v_sh]
-    for r in range(world):
-        for step in steps.program(plan, r).steps:
-            if step.step == 0:
-                k_msg, v_msg = k_sh[r], v_sh[r]
-            elif step.recv is None:
-                continue
-            else:
-                k_msg, v_msg = cut_message(plan, step.src, step.step, k_sh, v_sh)
-            for part in step.parts:
-                rows = slice(part.q_start, part.q_start + part.q_len)
-                g_q, g_k, g_v = pair_backward(q_sh[r][:, :, rows], k_msg, v_msg, do_sh[r][:, :, rows],
-                                              o_sh[r][:, :, rows], l_sh[r][:, :, rows], part.mask.to_dense(), scale)
-                dq[r][:, :, rows] += g_q
-                if step.step == 0:
-                    dk[r] += g_k
-                    dv[r] += g_v
-                    continue
-                for own, at, n in steps.program(plan, step.src).steps[step.step].send.runs:  # back to the owner
-                    dk[step.src][:, :, own:own + n] += g_k[:, :, at:at + n]
-                    dv[step.src][:, :, own:own + n] += g_v[:, :, at:at + n]
-    return [sharding.gather_shards(x, plan) for x in (dq, dk, dv)]
-
-
 @pytest.mark.parametrize("name,n,world,qbs,kbs,strategy", SMALL_CASES)
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (2, 1)], ids=["mha", "gqa"])
 def test_replayed_forward_and_backward_equal_the_whole(name, n, world, qbs, kbs, strategy, heads, kv_heads):
     plan, dense = small_plan(name, n, world, qbs, kbs, strategy)
-    rng = np.random.default_rng(SEED + n)
-    D, scale = 16, 0.25
     if plan.mask.shape[1] not in (1, heads):
         pytest.skip("per-head mask for another head count")
-    q = rng.standard_normal((1, heads, n, D))
-    k, v = (rng.standard_normal((1, kv_heads, n, D)) for _ in range(2))
-    dout = rng.standard_normal((1, heads, n, D))
-    want_o, want_lse = reference.attention(q, k, v, dense, scale=scale, return_lse=True)
-    parts = replay_forward(plan, q, k, v, dense, scale)
-    out = sharding.gather_shards([o for o, _ in parts], plan)
-    lse = sharding.gather_shards([x for _, x in parts], plan)
-    assert reference.relative_error(out, want_o) < 1e-6, f"{name} seed {SEED + n}"  # merged in float32
-    finite = np.isfinite(want_lse)
-    assert np.array_equal(finite, np.isfinite(lse)) and np.allclose(lse[finite], want_lse[finite], rtol=1e-6)
-    got = replay_backward(plan, q, k, v, dout, want_o, want_lse, scale)
-    want = pair_backward(q, k, v, dout, want_o, want_lse, dense, scale)
-    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
-        assert reference.relative_error(g, w) < 1e-10, f"{what} {name} seed {SEED + n}"
+    check_replay(plan, dense, heads=heads, kv_heads=kv_heads, seed=SEED + n, where=name)
 
 
 def test_shard_and_gather_round_trip():
@@ -547,10 +461,11 @@ def test_exchange_work_splits_each_ranks_work():
     bm = host_mask(issue_mask("interleaved", n), n)
     plan = planner.plan(bm, 8)
     np.testing.assert_allclose(plan.exchange_work.sum(axis=1), plan.rank_work)
-    for r in range(8):  # a rank computes against another's keys exactly when it receives some
+    for r in range(8):  # a rank computes with another exactly when it receives its keys or queries
         for s in range(1, 8):
             src = (r - s) % 8
-            assert (plan.exchange_work[r, src] > 0) == (plan.recv_units(r, s).size > 0), (r, s)
+            gets = plan.recv_units(r, s).size + plan.q_recv_units(r, s).size
+            assert (plan.exchange_work[r, src] > 0) == (gets > 0), (r, s)
 
 
 def test_model_of_one_rank_is_the_single_gpu():

@@ -15,11 +15,20 @@ How the id travels, by launcher (nothing here carries bytes between processes it
   an existing ``cupy.cuda.nccl.NcclCommunicator`` passed to ``init``.
 - no launcher at all: a communicator of one rank.
 NVLink multicast (NVLS) is not used: ``NCCL_NVLS_ENABLE`` defaults to 0 before NCCL starts.
+
+Failures. NCCL reports a peer's failure asynchronously (``ncclCommGetAsyncError``, CuPy's
+``check_async_error``) and a rank that waits on a dead peer waits forever. ``Communicator.wait``
+therefore never blocks: it polls the work's completion event and NCCL's asynchronous error, and on
+an error or past ``timeout_s`` seconds it aborts the communicator (``ncclCommAbort``, which also
+makes the peers' pending operations fail) and raises CommunicationError or
+CommunicationTimeoutError. ``timeout_s`` defaults to ``OMNICUPY_DISTRIBUTED_TIMEOUT`` (seconds;
+300 when unset; 0 turns the wait off, e.g. while capturing a CUDA graph).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -27,7 +36,7 @@ import numpy as np
 
 from .. import arrays
 from ..errors import ArgumentError, NoGPUError
-from .errors import DistributedError
+from .errors import CommunicationError, CommunicationTimeoutError, DistributedError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: Variables that MPI launchers set in every process they start (Open MPI, MPICH/Hydra, PMIx, MVAPICH).
@@ -35,6 +44,25 @@ MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZ
 PORT_VARIABLE = "OMNICUPY_NCCL_PORT"
 #: Clamped by CUDA to the device's highest priority: NCCL kernels get SMs as soon as any free up.
 COMM_STREAM_PRIORITY = -100
+TIMEOUT_VARIABLE = "OMNICUPY_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+#: Seconds between two polls of a pending wait (the completion event and NCCL's asynchronous error).
+POLL_S = 0.0005
+
+
+def default_timeout(environ: Optional[Mapping[str, str]] = None) -> float:
+    """``OMNICUPY_DISTRIBUTED_TIMEOUT`` in seconds (0: no wait), else DEFAULT_TIMEOUT_S."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(TIMEOUT_VARIABLE)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise DistributedError(f"{TIMEOUT_VARIABLE}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise DistributedError(f"{TIMEOUT_VARIABLE}={raw!r} is negative")
+    return value
 
 
 @dataclass(frozen=True)
@@ -93,7 +121,11 @@ class Communicator:
     """One NCCL communicator bound to one GPU, and the high-priority stream its transfers run on.
 
     ``nccl`` is the ``cupy.cuda.nccl.NcclCommunicator``; ``rank``, ``size`` and ``device`` are
-    read from it. ``keepalive`` holds objects whose lifetime must cover the communicator's."""
+    read from it. ``keepalive`` holds objects whose lifetime must cover the communicator's.
+    ``timeout_s``: how long ``wait`` lets a distributed call take (module docstring, "Failures")."""
+
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    aborted: bool = False
 
     def __init__(self, nccl_comm: Any, *, keepalive: Any = None) -> None:
         cp = arrays.cupy_module()
@@ -102,6 +134,8 @@ class Communicator:
         self.size = int(nccl_comm.size())
         self.device = int(nccl_comm.device_id())
         self._keepalive = keepalive
+        self.timeout_s = default_timeout()
+        self.aborted = False
         with cp.cuda.Device(self.device):
             self.stream = cp.cuda.Stream(non_blocking=True, priority=COMM_STREAM_PRIORITY)
 
@@ -161,6 +195,51 @@ class Communicator:
             token = cp.zeros(1, dtype=np.int32)
             self.all_reduce(token)
             cp.cuda.get_current_stream().synchronize()
+
+    # -------------------------------------------------------------- failures
+    def check(self) -> None:
+        """Raise CommunicationError (after aborting) if NCCL reports an asynchronous error or the
+        communicator was aborted."""
+        if self.aborted:
+            raise CommunicationError(f"rank {self.rank}: the communicator was aborted by an earlier failure")
+        try:
+            if self.nccl is not None:
+                self.nccl.check_async_error()
+        except Exception as exc:  # noqa: BLE001 - NcclError, or a binding without the call
+            self.abort()
+            raise CommunicationError(f"rank {self.rank}: NCCL reported an asynchronous error ({exc}); "
+                                     "the communicator is aborted") from exc
+
+    def wait(self, event: Any, timeout_s: Optional[float] = None, what: str = "the distributed call") -> None:
+        """Wait on the host until ``event`` (a recorded CUDA event) completes, polling NCCL's
+        asynchronous error; past ``timeout_s`` (default ``self.timeout_s``; 0: do not wait at all)
+        abort and raise CommunicationTimeoutError."""
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        if timeout_s <= 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if event.done:
+                return
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommunicationTimeoutError(
+                    f"rank {self.rank}: {what} did not finish within {timeout_s:g} s (a peer hung or failed); "
+                    f"the communicator is aborted (timeout: {TIMEOUT_VARIABLE} or Communicator.timeout_s)")
+            time.sleep(POLL_S)
+
+    def abort(self) -> None:
+        """Abort the NCCL communicator (``ncclCommAbort``): this rank's pending operations stop and
+        the peers' operations with it fail instead of waiting. Safe to call twice."""
+        if self.aborted:
+            return
+        self.aborted = True
+        if self.nccl is not None:
+            try:
+                self.nccl.abort()
+            finally:
+                self.nccl = None
 
     def close(self) -> None:
         """Destroy the NCCL communicator (after every transfer posted has finished)."""
@@ -274,4 +353,5 @@ def init(comm: Any = None, *, device: Optional[int] = None) -> Communicator:
     return from_unique_id(nccl.get_unique_id(), 1, 0, device=device)
 
 
-__all__ = ["Communicator", "Launch", "init", "from_unique_id", "detect_launch", "nccl_module", "PORT_VARIABLE"]
+__all__ = ["Communicator", "Launch", "init", "from_unique_id", "detect_launch", "nccl_module", "PORT_VARIABLE",
+           "TIMEOUT_VARIABLE", "DEFAULT_TIMEOUT_S", "default_timeout"]

@@ -12,4 +12,15 @@ class BackwardUnavailableError(DistributedError, NotImplementedError):
     """The distributed backward needs ``omnicupy.attention_backward``, which this installation lacks."""
 
 
-__all__ = ["DistributedError", "BackwardUnavailableError"]
+class CommunicationError(DistributedError):
+    """A distributed call failed on this rank or a peer: an NCCL asynchronous error, a peer that
+    aborted, or an error here after transfers were posted. The communicator has been aborted (make a
+    new one to continue)."""
+
+
+class CommunicationTimeoutError(CommunicationError, TimeoutError):
+    """A distributed call did not finish within the communicator's timeout (a peer hung or died);
+    the communicator has been aborted so that no rank waits forever."""
+
+
+__all__ = ["DistributedError", "BackwardUnavailableError", "CommunicationError", "CommunicationTimeoutError"]

@@ -102,4 +102,26 @@ def merge_into(out: Any, lse: Any, o_part: Any, lse_part: Any, xp: Any) -> None:
     lse[...] = xp.where(empty, np.float32(-np.inf), top + xp.log(xp.where(empty, np.float32(1), total)))
 
 
-__all__ = ["PartialSum", "merge_into"]
+def add_sink(out: Any, lse: Any, sinks: Any, xp: Any) -> None:
+    """Join each head's sink logit to the normalizer of every row, once, in place: ``lse <-
+    log(exp(lse) + exp(sink_h))`` and ``out <- out * exp(lse_old - lse)`` (a sink has no value
+    row). Partials are merged without sinks and the owner of a row calls this once, so a sink is
+    never counted once per rank. ``out`` [B, H, L, D] (any float dtype), ``lse`` float32 [B, H, L],
+    ``sinks`` float32 [H]. A row with no key keeps output 0 and gets LSE = its sink."""
+    sink = xp.asarray(sinks, dtype=np.float32)[None, :, None]
+    new = xp.logaddexp(lse, sink)
+    weight = xp.exp(lse - new)  # exp(-inf) = 0 for empty rows; new is finite wherever a sink is
+    out[...] = (out.astype(np.float32) * weight[..., None]).astype(out.dtype)
+    lse[...] = new
+
+
+def sink_gradient(dout: Any, out: Any, lse: Any, sinks: Any, xp: Any) -> Any:
+    """This rank's part of d loss / d sinks, float32 [H]: ``-sum_{b, i} exp(sink_h - lse) *
+    rowsum(dO * O)`` over its rows (``lse`` includes the sink); ranks sum their parts."""
+    sink = xp.asarray(sinks, dtype=np.float32)[None, :, None]
+    delta = (dout.astype(np.float32) * out.astype(np.float32)).sum(axis=-1)
+    p_sink = xp.exp(sink - lse)
+    return -(p_sink * delta).sum(axis=(0, 2)).astype(np.float32)
+
+
+__all__ = ["PartialSum", "merge_into", "add_sink", "sink_gradient"]

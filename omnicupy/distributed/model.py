@@ -15,6 +15,17 @@ backward count) and, at each step, the dK/dV partials of the previous step going
 
 Efficiency = (one GPU's time) / (W x the distributed time); one GPU's time is the whole mask's
 FLOPs at the same rate, so load imbalance, exposed communication and per-step costs all show.
+
+Travelling queries (routing.py) add, at their step, the Q rows (Q, dO and O in the backward) and
+the answers (partial O and LSE, or dQ) to that step's bytes; their work counts on the keys' rank
+(``exchange_work`` is the work each rank executes).
+
+Head parallelism (Ulysses): ``h`` ranks exchange heads by all-to-all so that each computes the whole
+sequence for Hq / h query heads and Hkv / h kv heads (h divides Hkv: a kv head is never split, so
+GQA bounds h by the kv heads), then send the outputs back. Nothing overlaps the two all-to-alls;
+the compute is exactly balanced. ``W = h x s`` combines it with a sequence plan over s ranks
+(each group of h inside one node). ``best_layout`` predicts every (h, s) and keeps the fastest.
+All figures are predictions of this arithmetic, not measurements.
 """
 from __future__ import annotations
 
@@ -52,8 +63,8 @@ class Machine:
 #: Assumed figures for lent H200s (to be replaced by the benchmark's measured ones): forward near
 #: the project's single-GPU rates at D = 128 (BENCHMARKS.md), NCCL send/recv at 200 GB/s over
 #: NVLink (the all-reduce bus bandwidth measured 230-300 GB/s), 400 Gb/s InfiniBand per GPU.
-H200_NVLINK_IB = Machine("8x H200 per node, NVLink inside, 400 Gb/s InfiniBand per GPU between nodes",
-                         forward_tflops=450.0, backward_tflops=380.0, nvlink_gbs=200.0, network_gbs=45.0,
+H200_NVLINK_IB = Machine("8x H200 per NVLink host, ~50 GB/s per GPU between hosts",
+                         forward_tflops=450.0, backward_tflops=380.0, nvlink_gbs=200.0, network_gbs=50.0,
                          gpus_per_node=8, hbm_tbs=4.0, step_us=30.0)
 
 
@@ -105,6 +116,11 @@ def predict(plan: ShardPlan, shapes: Shapes = Shapes(), machine: Machine = H200_
     seconds = lambda work: work * flops_per_work * per_flop / 1e12  # noqa: E731
     single = seconds(float(plan.exchange_work.sum()))
     per_token = 2 * shapes.batch * shapes.kv_heads * shapes.head_dim * shapes.itemsize
+    q_row = shapes.batch * shapes.heads * shapes.head_dim * shapes.itemsize
+    lse = shapes.batch * shapes.heads * 4
+    # per travelling query token: sent (Q; Q, dO, O, LSE) and answered (O, LSE; dQ)
+    q_out = q_row + ((3 * q_row + lse) if backward else 0)
+    q_back = q_row + lse + (q_row if backward else 0)
     merge_per_row = MERGE_BYTES_PER_ELEMENT * shapes.batch * shapes.heads * shapes.head_dim / (machine.hbm_tbs * 1e12)
     step_s = machine.step_us * 1e-6
     compute = np.zeros((world, world))  # [rank, step]
@@ -119,7 +135,11 @@ def predict(plan: ShardPlan, shapes: Shapes = Shapes(), machine: Machine = H200_
             if s:
                 received = int(plan.unit_tokens[plan.recv_units(r, s)].sum())
                 sent = int(plan.unit_tokens[plan.send_units(r, s)].sum())
-                moved = max(received, sent) * per_token * (2 if backward else 1)  # + the returns
+                q_sent = int(plan.unit_tokens[plan.q_send_units(r, s)].sum())
+                q_got = int(plan.unit_tokens[plan.q_recv_units(r, s)].sum())
+                kv_factor = 2 if backward else 1  # + the dK/dV returns
+                moved = max(received * per_token * kv_factor + q_got * q_out + q_sent * q_back,
+                            sent * per_token * kv_factor + q_sent * q_out + q_got * q_back)
                 transfer[s] = max(transfer[s], moved / (_link_gbs(machine, r, src) * 1e9) + step_s)
     for r in range(world):  # the compact accumulator's fill and write-back, at most the whole shard
         touched = min(plan.local_len(r), sum(plan.rows_attending(r, (r - s) % world) for s in range(1, world)))
@@ -146,6 +166,89 @@ def predict(plan: ShardPlan, shapes: Shapes = Shapes(), machine: Machine = H200_
     total = float(done.max())
     hidden = 1.0 if comm == 0 else float(np.clip(1 - (total - busiest) / comm, 0.0, 1.0))
     return Prediction(world, single * 1e3, total * 1e3, busiest * 1e3, comm * 1e3, hidden)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to spread the work: ``heads`` ranks per head group (1: no head parallelism) times
+    ``seq`` ranks of a sequence plan; its prediction and the bytes the busiest rank sends."""
+
+    heads: int
+    seq: int
+    prediction: Prediction
+    bytes_per_rank: int
+
+    @property
+    def name(self) -> str:
+        if self.heads == 1:
+            return f"sequence x{self.seq}"
+        return f"heads x{self.heads}" + (f" . sequence x{self.seq}" if self.seq > 1 else "")
+
+
+def head_degrees(world: int, kv_heads: int) -> list[int]:
+    """Head-parallel degrees h that divide both the world and the kv heads (h = 1 included)."""
+    return [h for h in range(1, world + 1) if world % h == 0 and kv_heads % h == 0]
+
+
+def all_to_all_bytes(tokens: int, shapes: Shapes, degree: int, *, backward: bool) -> int:
+    """Bytes one rank sends in the head all-to-alls of one pass over ``tokens`` of its sequence:
+    (h - 1) / h of its Q, K, V out and of the outputs back (backward: dO, O, LSE out and dQ, dK,
+    dV back, Q, K, V kept from the forward)."""
+    row = shapes.batch * shapes.head_dim * shapes.itemsize
+    q, kv, lse = shapes.heads * row, 2 * shapes.kv_heads * row, shapes.batch * shapes.heads * 4
+    per_token = (2 * q + lse + q + kv) if backward else (q + kv + q + lse)
+    return tokens * per_token * (degree - 1) // degree
+
+
+def best_layout(make_plan, seq_len: int, world: int, shapes: Shapes = Shapes(),
+                machine: Machine = H200_NVLINK_IB, *, backward: bool = True) -> list[Layout]:
+    """Every layout ``heads x seq = world`` (heads bounded by the kv heads), fastest first.
+    ``make_plan(ranks, heads)`` returns the sequence plan over ``ranks`` ranks (heads = (Hq, Hkv) of
+    a head group)."""
+    layouts = []
+    for h in head_degrees(world, shapes.kv_heads):
+        seq = world // h
+        group = replace(shapes, heads=shapes.heads // h, kv_heads=shapes.kv_heads // h)
+        plan = make_plan(seq, (group.heads, group.kv_heads))
+        # sequence rank i of a head group sits at world rank i * h: h times fewer of them share a node
+        spread = replace(machine, gpus_per_node=max(1, machine.gpus_per_node // h))
+        base = predict(plan, group, spread, backward=backward)
+        tokens = seq_len // world
+        a2a = all_to_all_bytes(tokens, shapes, h, backward=False) + (
+            all_to_all_bytes(tokens, shapes, h, backward=True) if backward else 0)
+        link = machine.nvlink_gbs if h <= machine.gpus_per_node else machine.network_gbs
+        a2a_ms = a2a / (link * 1e9) * 1e3 + (2 * machine.step_us * 1e-3 if h > 1 else 0.0)
+        # the sequence plan's single-GPU time covers 1 / h of the heads: scale it back to the whole
+        pred = Prediction(world, base.single_ms * h, base.distributed_ms + a2a_ms, base.compute_ms,
+                          base.comm_ms + a2a_ms, base.hidden * base.comm_ms / (base.comm_ms + a2a_ms)
+                          if base.comm_ms + a2a_ms else 1.0)
+        kv_shapes = dict(batch=group.batch, kv_heads=group.kv_heads, head_dim=group.head_dim,
+                         itemsize=group.itemsize, q_heads=group.heads)
+        seq_bytes = max(plan.bytes_sent(r, **kv_shapes) + (plan.bytes_sent(r, **kv_shapes, backward=True)
+                                                           if backward else 0) for r in range(seq))
+        layouts.append(Layout(h, seq, pred, seq_bytes + a2a))
+    return sorted(layouts, key=lambda lay: lay.prediction.distributed_ms)
+
+
+def family_table(names=None, lengths=(131072, 1048576), worlds=(2, 4, 8, 16, 32, 64), shapes: Shapes = Shapes(),
+                 machine: Machine = H200_NVLINK_IB, blocks: int = 512):
+    """Predicted forward+backward efficiency of every family (families.py) at each length and world
+    size, with the fastest layout and the busiest rank's bytes; plans on ``blocks`` blocks per side.
+    Yields one row (a dict) at a time."""
+    from . import families
+    from .planner import plan as make_plan
+
+    for name in names or families.NAMES:
+        for n in lengths:
+            bm = families.block_mask(name, n, n // blocks)
+            for w in worlds:
+                if n // (n // blocks) < 2 * w:
+                    continue
+                layouts = best_layout(lambda ranks, heads: make_plan(bm, ranks, heads=heads), n, w, shapes, machine)
+                best, seq_only = layouts[0], next(lay for lay in layouts if lay.heads == 1)
+                yield dict(family=name, n=n, world=w, layout=best.name, efficiency=best.prediction.efficiency,
+                           sequence_efficiency=seq_only.prediction.efficiency, mib_per_rank=best.bytes_per_rank / 2**20,
+                           sequence_mib_per_rank=seq_only.bytes_per_rank / 2**20)
 
 
 def calibrated(machine: Machine, *, forward_tflops: Optional[float] = None, backward_tflops: Optional[float] = None,
@@ -180,10 +283,23 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-tflops", type=float, default=None)
     parser.add_argument("--backward-tflops", type=float, default=None)
     parser.add_argument("--nvlink-gbs", type=float, default=None)
+    parser.add_argument("--families", action="store_true",
+                        help="every family of issue 39 (families.py), 2-64 GPUs, 128k and 1M tokens, best layout")
     args = parser.parse_args(argv)
     shapes = Shapes(heads=args.heads, kv_heads=args.kv_heads or args.heads)
     machine = calibrated(H200_NVLINK_IB, forward_tflops=args.forward_tflops, backward_tflops=args.backward_tflops,
                          nvlink_gbs=args.nvlink_gbs)
+    if args.families:
+        print(f"PREDICTIONS of the scaling model, not measurements. {machine.name}; NVLink {machine.nvlink_gbs:g} "
+              f"GB/s per GPU, {machine.network_gbs:g} GB/s between hosts; B={shapes.batch} H={shapes.heads} "
+              f"Hkv={shapes.kv_heads} D={shapes.head_dim} fp16, forward+backward; MiB: the busiest rank, both passes")
+        print("| family | N | GPUs | best layout | efficiency | MiB/rank | sequence-only efficiency | MiB/rank |")
+        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+        for r in family_table(shapes=shapes, machine=machine):
+            print(f"| {r['family']} | {r['n']} | {r['world']} | {r['layout']} | {r['efficiency']:.2f} | "
+                  f"{r['mib_per_rank']:.0f} | {r['sequence_efficiency']:.2f} | {r['sequence_mib_per_rank']:.0f} |",
+                  flush=True)
+        return 0
     print(f"{machine.name}; B={shapes.batch} H={shapes.heads} Hkv={shapes.kv_heads} D={shapes.head_dim} fp16")
     print("| N | GPUs | tokens/GPU | fwd ms | fwd efficiency | fwd hidden | fwd+bwd ms | fwd+bwd efficiency | "
           "fwd+bwd hidden |")
@@ -199,4 +315,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["Machine", "Shapes", "Prediction", "predict", "calibrated", "causal_table", "H200_NVLINK_IB"]
+__all__ = ["Machine", "Shapes", "Prediction", "Layout", "predict", "calibrated", "causal_table", "family_table",
+           "best_layout", "head_degrees", "all_to_all_bytes", "H200_NVLINK_IB"]

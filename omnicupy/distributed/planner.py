@@ -34,49 +34,30 @@ needs every other rank's whole shard, so that skipping unneeded units would save
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from .. import BlockMask, BlockType
+from .. import BlockMask
 from ..checks import check_int, check_positive_float
-from ..errors import ArgumentError, MaskError
-from .submask import cdiv, host_metadata
+from ..errors import ArgumentError
+from .assign import contiguous, lpt, zigzag
+from . import routing
+from .routing import TokenCosts, Traffic
+from .work import BLOCK_WEIGHTS, MaskWork, mask_work, unit_runs, units_positions
 
-#: Relative cost of one listed block by type: CAUSAL blocks compute about half their elements.
-BLOCK_WEIGHTS: Mapping[BlockType, int] = {BlockType.MASKED: 0, BlockType.CAUSAL: 1, BlockType.FULL: 2,
-                                          BlockType.PARTIAL: 2}
 STRATEGIES = ("contiguous", "zigzag", "lpt")
 SCHEDULES = ("auto", "ring", "allgather")
+#: ``keys``: K/V always travel to the queries; ``auto``: per q unit, whichever moves fewer bytes (routing.py);
+#: ``queries``: every remote pair's queries travel (for tests and measurements).
+ROUTES = ("auto", "keys", "queries")
 #: ``lpt`` candidates: chunks per rank. More chunks balance better and cost more pieces per message.
 LPT_CHUNKS_PER_RANK = (2, 4, 8, 16, 32)
 #: ``schedule="auto"`` gathers everything when at least this fraction of the remote tokens is needed.
 ALLGATHER_MIN_FRACTION = 0.999
 DEFAULT_MAX_IMBALANCE = 1.05
-#: Swaps tried by the lpt refinement, per chunk.
-REFINE_SWAPS_PER_CHUNK = 8
-
-
-@dataclass(frozen=True)
-class MaskWork:
-    """The work of a BlockMask at unit granularity, summed over the mask's batch and head dims.
-
-    ``q_unit``/``kv_unit``: one entry per distinct (q unit, kv unit) pair with a listed, non-MASKED
-    block, ``pair_work`` its weighted block count; ``unit_work``: the same per q unit."""
-
-    seq_len: int
-    unit: int
-    q_unit: np.ndarray  # [E] int64
-    kv_unit: np.ndarray  # [E] int64
-    pair_work: np.ndarray  # [E] float64
-    unit_work: np.ndarray  # [U] float64
-    unit_tokens: np.ndarray  # [U] int64
-
-    @property
-    def num_units(self) -> int:
-        return len(self.unit_tokens)
 
 
 @dataclass(frozen=True)
@@ -90,9 +71,10 @@ class Candidate:
     unit_owner: np.ndarray  # [U]
     rank_work: np.ndarray  # [W]
     exchange_work: np.ndarray  # [W, W]: work of rank r's queries against rank s's keys
-    need: np.ndarray  # [W, U] bool
+    need: np.ndarray  # [W, U] bool: rank w receives unit u's K/V
     attends: np.ndarray  # [U, W] bool: some query of unit u attends some key of rank w
-    tokens_sent: np.ndarray  # [W] forward tokens of K/V each rank sends (ring schedule)
+    moved: np.ndarray  # [U, W] bool: unit u's queries travel to rank w (routing.py)
+    traffic: Traffic
 
     @property
     def imbalance(self) -> float:
@@ -100,7 +82,7 @@ class Candidate:
         return float(self.rank_work.max()) / mean if mean > 0 else 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ShardPlan:
     """Who owns which tokens and who sends what to whom, for one mask and one world size.
 
@@ -121,10 +103,14 @@ class ShardPlan:
     unit_tokens: np.ndarray
     unit_work: np.ndarray
     rank_work: np.ndarray
-    exchange_work: np.ndarray  # [W, W]: block work of rank r's queries against rank s's keys
-    need: np.ndarray
+    exchange_work: np.ndarray  # [W, W]: block work rank r computes at the step that pairs it with rank s
+    need: np.ndarray  # [W, U]: rank w receives unit u's K/V
     attends: np.ndarray  # [U, W]: some query of unit u attends some key of rank w
     max_imbalance: float
+    moved: Optional[np.ndarray] = field(compare=False, default=None)  # [U, W]: unit u's queries travel to rank w
+    traffic: Optional[Traffic] = field(compare=False, default=None)
+    route: str = "keys"
+    head_parallel: int = 1  # W: heads.py runs the call (all-to-alls over heads), not the steps
     candidates: tuple = field(repr=False, compare=False, default=())
     mask: Optional[BlockMask] = field(repr=False, compare=False, default=None)
     _cache: dict = field(repr=False, compare=False, default_factory=dict)
@@ -188,6 +174,19 @@ class ShardPlan:
         rank, step = self._check_rank(rank), self._check_step(step)
         return self.recv_units((rank + step) % self.world_size, step)
 
+    def q_send_units(self, rank: int, step: int) -> np.ndarray:
+        """Units of rank's queries that travel at ``step`` to rank ``(rank + step) % W`` (its keys'
+        rank), in increasing position; none at step 0."""
+        rank, step = self._check_rank(rank), self._check_step(step)
+        if not step or self.moved is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero((self.unit_owner == rank) & self.moved[:, (rank + step) % self.world_size])
+
+    def q_recv_units(self, rank: int, step: int) -> np.ndarray:
+        """Units of rank ``(rank - step) % W``'s queries that rank computes at ``step`` against its keys."""
+        rank, step = self._check_rank(rank), self._check_step(step)
+        return self.q_send_units((rank - step) % self.world_size, step)
+
     def tokens_received(self, rank: int) -> int:
         return int(sum(self.unit_tokens[self.recv_units(rank, s)].sum() for s in range(1, self.world_size)))
 
@@ -198,12 +197,27 @@ class ShardPlan:
         return int(sum(self.unit_tokens[self.send_units(rank, s)].sum() for s in range(1, self.world_size)))
 
     def bytes_sent(self, rank: int, *, batch: int, kv_heads: int, head_dim: int, itemsize: int,
-                   backward: bool = False) -> int:
-        """Bytes rank sends: K and V of the tokens it sends; with ``backward``, the backward pass's
-        total (K and V sent again, plus the dK and dV partials of what it received, returned)."""
-        per_token = 2 * batch * kv_heads * head_dim * itemsize
-        tokens = self.tokens_sent(rank) + (self.tokens_received(rank) if backward else 0)
-        return tokens * per_token
+                   backward: bool = False, q_heads: Optional[int] = None) -> int:
+        """Every byte rank sends in one pass. Forward: K and V of the tokens it sends, Q of its
+        queries that travel, and the partial output and float32 LSE of the queries it hosts.
+        ``backward``: the backward pass alone: K and V sent again, the dK/dV partials of what it
+        received, Q, dO, O and LSE of its travelling queries, and the dQ partials of those it hosts.
+        ``q_heads`` defaults to ``kv_heads``."""
+        rank = self._check_rank(rank)
+        q_heads = kv_heads if q_heads is None else q_heads
+        if self.head_parallel > 1:
+            return head_bytes_sent(self, rank, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                                   itemsize=itemsize, backward=backward)
+        if self.schedule == "allgather" or self.traffic is None:
+            per_token = 2 * batch * kv_heads * head_dim * itemsize
+            tokens = self.tokens_sent(rank) + (self.tokens_received(rank) if backward else 0)
+            return tokens * per_token
+        return self.traffic.bytes_sent(rank, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                                       itemsize=itemsize, backward=backward)
+
+    def queries_sent(self, rank: int) -> int:
+        """Tokens of rank's queries that travel to other ranks' keys (each destination counted)."""
+        return 0 if self.traffic is None else int(self.traffic.q_sent[self._check_rank(rank)])
 
     def rows_attending(self, rank: int, source: int) -> int:
         """Tokens of rank's queries that attend some key of ``source``'s shard."""
@@ -217,14 +231,35 @@ class ShardPlan:
         """Of the tokens each rank could receive from the others, the fraction it needs."""
         return needed_fraction(self.need, self.unit_owner, self.unit_tokens)
 
-    def summary(self) -> str:
-        lines = [f"Plan: {self.world_size} ranks, N={self.seq_len}, unit {self.unit} tokens, "
-                 f"{self.strategy} ({self.chunks_per_rank} chunk(s) of {self.chunk_size} tokens per rank), "
-                 f"schedule {self.schedule}, imbalance {self.imbalance:.3f}, "
-                 f"needed fraction {self.needed_fraction():.3f}"]
-        for r in range(self.world_size):
+    def headline(self) -> str:
+        """One line: world, assignment, schedule, balance and the busiest sender."""
+        if self.head_parallel > 1:
+            return (f"ShardPlan: {self.world_size} ranks, N={self.seq_len}, head parallel x{self.head_parallel} "
+                    f"(all-to-all over heads; shards {self.strategy} x{self.chunks_per_rank})")
+        sent = [self.tokens_sent(r) for r in range(self.world_size)]
+        moved = [self.queries_sent(r) for r in range(self.world_size)]
+        return (f"ShardPlan: {self.world_size} ranks, N={self.seq_len}, {self.strategy} x{self.chunks_per_rank}, "
+                f"schedule {self.schedule}, route {self.route}, imbalance {self.imbalance:.3f}, "
+                f"needed fraction {self.needed_fraction():.3f}, busiest sender {max(sent)} K/V + "
+                f"{max(moved)} query tokens")
+
+    def __repr__(self) -> str:  # print(plan) and the REPL: one line, not the arrays
+        return f"<{self.headline()}>"
+
+    def __str__(self) -> str:
+        return self.headline()
+
+    def summary(self, max_ranks: int = 8) -> str:
+        """The headline and one line per rank (the first ``max_ranks`` and the last)."""
+        lines = [self.headline()]
+        shown = list(range(min(self.world_size, max_ranks)))
+        if self.world_size > max_ranks:
+            shown.append(self.world_size - 1)
+        for r in shown:
+            if r == self.world_size - 1 and self.world_size > max_ranks + 1:
+                lines.append("  ...")
             lines.append(f"  rank {r}: {self.local_len(r)} tokens, work {float(self.rank_work[r]):.0f}, "
-                         f"sends {self.tokens_sent(r)} tokens of K/V")
+                         f"sends {self.tokens_sent(r)} tokens of K/V and {self.queries_sent(r)} of queries")
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- checks
@@ -242,29 +277,46 @@ class ShardPlan:
 
 
 # ------------------------------------------------------------------------------ helpers
-def units_positions(units: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Token positions covered by ``units`` (in their order); ``starts`` from ``ShardPlan.unit_starts``."""
-    units = np.asarray(units, dtype=np.int64)
-    if not units.size:
-        return np.zeros(0, dtype=np.int64)
-    lengths = starts[units + 1] - starts[units]
-    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts[units], lengths) + offsets
+def head_bytes_sent(plan: ShardPlan, rank: int, *, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+                    itemsize: int, backward: bool) -> int:
+    """Bytes ``rank`` sends in one pass under head parallelism (heads.py): Q, K, V of its positions
+    for the other ranks' heads and the outputs of its heads for the others' positions; backward:
+    dO, Q, K, V, O and LSE out, dQ, dK, dV back."""
+    world = plan.world_size
+    mine = plan.local_len(rank)
+    others = plan.seq_len - mine
+    q_row = batch * (q_heads // world) * head_dim * itemsize
+    kv_row = batch * (kv_heads // world) * head_dim * itemsize
+    lse = batch * (q_heads // world) * 4
+    if not backward:
+        return (world - 1) * mine * (q_row + 2 * kv_row) + others * (q_row + lse)
+    return (world - 1) * mine * (3 * q_row + lse + 2 * kv_row) + others * (q_row + 2 * kv_row)
 
 
-def unit_runs(units: np.ndarray, starts: np.ndarray) -> list[tuple[int, int, int]]:
-    """(global start, local start, length) of the runs of consecutive units in ``units``, where the
-    local position is the position in the concatenation of ``units``' tokens."""
-    units = np.asarray(units, dtype=np.int64)
-    runs, local = [], 0
-    if not units.size:
-        return runs
-    breaks = np.flatnonzero(np.diff(units) != 1) + 1
-    for group in np.split(units, breaks):
-        start, end = int(starts[group[0]]), int(starts[group[-1] + 1])
-        runs.append((start, local, end - start))
-        local += end - start
-    return runs
+def _choose_heads(result: ShardPlan, option: Any, heads: Optional[tuple[int, int]]) -> int:
+    """The head-parallel degree: W when asked (``True``), or with ``"auto"`` when the head counts are
+    known, W divides the kv heads, the mask is the same for every head and the all-to-alls move fewer
+    bytes (forward + backward, busiest rank) than the sequence plan; else 1."""
+    world = result.world_size
+    if option is False or option == "never" or world == 1:
+        return 1
+    if option not in (True, "auto"):
+        raise ArgumentError(f"head_parallel must be 'auto', True or False, got {option!r}")
+    possible = heads is not None and heads[1] % world == 0 and result.mask.shape[1] == 1
+    if option is True:
+        if not possible:
+            raise ArgumentError(f"head parallelism over {world} ranks needs heads=(q_heads, kv_heads) with kv_heads "
+                                f"divisible by {world} (a kv head is never split) and a mask shared by every head")
+        return world
+    if not possible:
+        return 1
+    shapes = dict(batch=1, q_heads=heads[0], kv_heads=heads[1], head_dim=128, itemsize=2)
+    both = lambda r, f: f(r, backward=False) + f(r, backward=True)  # noqa: E731
+    seq = max(both(r, lambda r_, backward: result.bytes_sent(r_, **{**shapes, "backward": backward}))
+              for r in range(world))
+    head = max(both(r, lambda r_, backward: head_bytes_sent(result, r_, **shapes, backward=backward))
+               for r in range(world))
+    return world if head < seq else 1
 
 
 def needed_fraction(need: np.ndarray, unit_owner: np.ndarray, unit_tokens: np.ndarray) -> float:
@@ -275,148 +327,58 @@ def needed_fraction(need: np.ndarray, unit_owner: np.ndarray, unit_tokens: np.nd
     return float((need & remote).dot(unit_tokens).sum()) / possible if possible else 0.0
 
 
-def _block_type(key: Any) -> BlockType:
-    try:
-        return BlockType[key] if isinstance(key, str) else BlockType(key)
-    except (KeyError, ValueError):
-        raise ArgumentError(f"weights: {key!r} is not a block type (MASKED, CAUSAL, FULL, PARTIAL or 0..3)") from None
+def _owners(strategy: str, chunk_work: np.ndarray, world_size: int) -> np.ndarray:
+    if strategy == "contiguous":
+        return contiguous(len(chunk_work), world_size)
+    if strategy == "zigzag":
+        return zigzag(world_size)
+    return lpt(chunk_work, world_size)
 
 
-def _weight_table(weights: Optional[Mapping]) -> np.ndarray:
-    """Weights indexed by BlockType; ``weights`` (keys: BlockType, its name or value) override the defaults."""
-    merged = dict(BLOCK_WEIGHTS)
-    merged.update({_block_type(t): w for t, w in (weights or {}).items()})
-    table = np.zeros(len(BlockType), dtype=np.float64)
-    for t, w in merged.items():
-        table[int(t)] = check_positive_float(w, f"weights[{t.name}]") if w else 0.0
-    if table[BlockType.MASKED]:
-        raise ArgumentError("weights[MASKED] must be 0: a masked block costs nothing")
-    return table
+def _routed(mw: MaskWork, unit_owner: np.ndarray, world_size: int, costs: Optional[TokenCosts]):
+    """(moved [U, W], need [W, U], exchange_work [W, W], executed work per unit [U]) of one assignment;
+    ``costs`` None: keys always travel."""
+    moved = (np.zeros((mw.num_units, world_size), dtype=bool) if costs is None else
+             routing.route(mw.q_unit, mw.kv_unit, unit_owner, mw.unit_tokens, world_size, costs))
+    q_rank, kv_rank = unit_owner[mw.q_unit], unit_owner[mw.kv_unit]
+    travels = moved[mw.q_unit, kv_rank]  # pair computed on the keys' rank
+    at = np.where(travels, kv_rank, q_rank)
+    partner = np.where(travels, q_rank, kv_rank)
+    exchange_work = np.bincount(at * world_size + partner, weights=mw.pair_work,
+                                minlength=world_size * world_size).reshape(world_size, world_size)
+    need = np.zeros(world_size * mw.num_units, dtype=bool)
+    need[q_rank[~travels] * mw.num_units + mw.kv_unit[~travels]] = True
+    executed = np.bincount(np.where(travels, mw.kv_unit, mw.q_unit), weights=mw.pair_work, minlength=mw.num_units)
+    return moved, need.reshape(world_size, mw.num_units), exchange_work, executed
 
 
-def mask_work(bm: BlockMask, weights: Optional[Mapping] = None) -> MaskWork:
-    """Unit-level work and (q unit, kv unit) pairs of ``bm`` (host copy of its metadata, O(listed
-    entries)). Batch and head dims the metadata broadcasts by stride 0 are counted once and scaled.
-    """
-    if not isinstance(bm, BlockMask):
-        raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(bm).__name__}")
-    if bm.q_len != bm.kv_len:
-        raise MaskError(f"context parallelism shards one sequence: q_len ({bm.q_len}) must equal kv_len ({bm.kv_len})")
-    table = _weight_table(weights)
-    host = host_metadata(bm)
-    nb, idx, types, scale = host.kv_num_blocks, host.kv_indices, host.block_mask_types, host.copies
-    qbs, kbs = bm.q_block_size, bm.kv_block_size
-    unit = qbs * kbs // math.gcd(qbs, kbs)
-    n = bm.q_len
-    num_units = cdiv(n, unit)
-    listed = np.arange(idx.shape[3]) < nb[..., None]
-    b, h, qb, slot = np.nonzero(listed & (types != BlockType.MASKED))
-    kind = types[b, h, qb, slot]
-    if np.any((kind < 0) | (kind >= len(BlockType))):
-        raise MaskError("block_mask_types has listed entries outside 0..3")
-    kvb = idx[b, h, qb, slot].astype(np.int64)
-    q_unit = qb.astype(np.int64) * qbs // unit
-    kv_unit = kvb * kbs // unit
-    unit_work = np.bincount(q_unit, weights=table[kind], minlength=num_units) * scale
-    pairs, which = np.unique(q_unit * num_units + kv_unit, return_inverse=True)
-    pair_work = np.bincount(which.reshape(-1), weights=table[kind], minlength=len(pairs)) * scale
-    unit_tokens = np.full(num_units, unit, dtype=np.int64)
-    unit_tokens[-1] = n - unit * (num_units - 1)
-    return MaskWork(n, unit, pairs // num_units, pairs % num_units, pair_work.astype(np.float64),
-                    unit_work.astype(np.float64), unit_tokens)
-
-
-# ---------------------------------------------------------------------------- assignments
-def contiguous(num_chunks: int, world_size: int) -> np.ndarray:
-    """Rank r owns chunks [r * k, (r + 1) * k), k = num_chunks / world_size."""
-    return np.arange(num_chunks) // (num_chunks // world_size)
-
-
-def zigzag(world_size: int) -> np.ndarray:
-    """2W chunks; rank r owns chunks r and 2W - 1 - r (a causal mask's cheap and dear ends)."""
-    first = np.arange(world_size)
-    return np.concatenate([first, first[::-1]])
-
-
-def lpt(work: np.ndarray, world_size: int) -> np.ndarray:
-    """Chunks to ranks, ``len(work) / world_size`` each: heaviest chunk first onto the least
-    loaded rank with room, then swaps between the heaviest rank and another that shrink the spread
-    (each swap lowers the sum of squared loads, so the refinement ends)."""
-    num_chunks = len(work)
-    quota = num_chunks // world_size
-    owner = np.full(num_chunks, -1, dtype=np.int64)
-    load = np.zeros(world_size)
-    count = np.zeros(world_size, dtype=np.int64)
-    for c in np.argsort(-work, kind="stable"):
-        open_ranks = np.flatnonzero(count < quota)
-        r = open_ranks[np.argmin(load[open_ranks])]
-        owner[c] = r
-        load[r] += work[c]
-        count[r] += 1
-    for _ in range(REFINE_SWAPS_PER_CHUNK * num_chunks):
-        if not _best_swap(owner, work, load):
-            break
-    return owner
-
-
-def _best_swap(owner: np.ndarray, work: np.ndarray, load: np.ndarray) -> bool:
-    """Apply the swap between the heaviest rank and another that most lowers the sum of squared
-    loads: moving d = w_a - w_b from a rank to a lighter one by ``gap`` gains 2 d (gap - d)."""
-    heavy = int(np.argmax(load))
-    mine = np.flatnonzero(owner == heavy)
-    best, best_gain = None, 1e-9 * max(float(load[heavy]), 1.0)
-    for other in range(len(load)):
-        gap = load[heavy] - load[other]
-        if other == heavy or gap <= 0:
-            continue
-        theirs = np.flatnonzero(owner == other)
-        d = work[mine][:, None] - work[theirs][None, :]
-        gain = np.where((d > 0) & (d < gap), 2 * d * (gap - d), 0.0)
-        i, j = np.unravel_index(int(np.argmax(gain)), gain.shape)
-        if gain[i, j] > best_gain:
-            best, best_gain = (mine[i], theirs[j], other, float(d[i, j])), gain[i, j]
-    if best is None:
-        return False
-    a, b, other, d = best
-    owner[a], owner[b] = other, heavy
-    load[heavy] -= d
-    load[other] += d
-    return True
-
-
-def _candidate(mw: MaskWork, world_size: int, strategy: str, chunks_per_rank: int) -> Optional[Candidate]:
-    """The candidate for one strategy and chunk count, or None when the sequence has too few units."""
+def _candidate(mw: MaskWork, world_size: int, strategy: str, chunks_per_rank: int,
+               costs: Optional[TokenCosts] = None) -> Optional[Candidate]:
+    """The candidate for one strategy and chunk count, or None when the sequence has too few units.
+    With ``costs``, queries travel where that moves fewer bytes (routing.py); lpt then assigns the
+    chunks again by the work each unit's rank really computes (a travelling row's work lands on its
+    keys' rank) and routes once more."""
     num_chunks = world_size * chunks_per_rank
     if mw.num_units < num_chunks:
         return None
     # Chunks of floor or ceil(U / M) units, so ranks' token counts differ by at most k units.
     chunk_of_unit = np.arange(mw.num_units) * num_chunks // mw.num_units
-    chunk_work = np.bincount(chunk_of_unit, weights=mw.unit_work, minlength=num_chunks)
-    if strategy == "contiguous":
-        owner = contiguous(num_chunks, world_size)
-    elif strategy == "zigzag":
-        owner = zigzag(world_size)
-    else:
-        owner = lpt(chunk_work, world_size)
+    owner = _owners(strategy, np.bincount(chunk_of_unit, weights=mw.unit_work, minlength=num_chunks), world_size)
+    moved, need, exchange_work, executed = _routed(mw, owner[chunk_of_unit], world_size, costs)
+    if costs is not None and strategy == "lpt" and moved.any():
+        owner = _owners(strategy, np.bincount(chunk_of_unit, weights=executed, minlength=num_chunks), world_size)
+        moved, need, exchange_work, executed = _routed(mw, owner[chunk_of_unit], world_size, costs)
     unit_owner = owner[chunk_of_unit]
-    rank_work = np.bincount(unit_owner, weights=mw.unit_work, minlength=world_size)
-    exchange_work = np.bincount(unit_owner[mw.q_unit] * world_size + unit_owner[mw.kv_unit], weights=mw.pair_work,
-                                minlength=world_size * world_size).reshape(world_size, world_size)
-    need = np.zeros(world_size * mw.num_units, dtype=bool)
-    need[unit_owner[mw.q_unit] * mw.num_units + mw.kv_unit] = True
-    need = need.reshape(world_size, mw.num_units)
     attends = np.zeros(mw.num_units * world_size, dtype=bool)
     attends[mw.q_unit * world_size + unit_owner[mw.kv_unit]] = True
     attends = attends.reshape(mw.num_units, world_size)
-    # Forward traffic of the ring: rank r sends every unit it owns once to each rank that needs it.
-    remote = need & (unit_owner[None, :] != np.arange(world_size)[:, None])
-    sent = np.bincount(unit_owner, weights=(remote.sum(axis=0) * mw.unit_tokens), minlength=world_size)
+    traffic = Traffic.of(need, moved, unit_owner, mw.unit_tokens)
     return Candidate(strategy, chunks_per_rank, chunk_of_unit, owner.astype(np.int64), unit_owner.astype(np.int64),
-                     rank_work, exchange_work, need, attends, sent.astype(np.int64))
+                     exchange_work.sum(axis=1), exchange_work, need, attends, moved, traffic)
 
 
-def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str],
-                chunks_per_rank: Optional[int]) -> list[Candidate]:
+def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str], chunks_per_rank: Optional[int],
+                costs: Optional[TokenCosts], keys_too: bool = True) -> list[Candidate]:
     wanted = []
     for name in ([strategy] if strategy else STRATEGIES):
         if name == "contiguous":
@@ -428,7 +390,12 @@ def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str],
         else:
             counts = LPT_CHUNKS_PER_RANK if chunks_per_rank is None else [chunks_per_rank]
         wanted += [(name, k) for k in counts]
-    found = [c for name, k in wanted if (c := _candidate(mw, world_size, name, k)) is not None]
+    # Each assignment with keys only and, with ``costs``, routed: moving queries moves their work too,
+    # so a routed candidate may lose on balance what it wins on bytes (causal masks do).
+    options = [None] if costs is None else ([None, costs] if keys_too else [costs])
+    found = [c for name, k in wanted for cst in options
+             if (c := _candidate(mw, world_size, name, k, cst)) is not None
+             and (cst is None or c.moved.any() or not keys_too)]
     if not found:
         raise ArgumentError(
             f"a sequence of {mw.seq_len} tokens ({mw.num_units} units of {mw.unit}) is too short for "
@@ -436,22 +403,44 @@ def _candidates(mw: MaskWork, world_size: int, strategy: Optional[str],
     return found
 
 
-def _choose(found: list[Candidate], max_imbalance: float) -> Candidate:
-    """Fewest bytes from the busiest sender among the balanced candidates; else the best balanced."""
+def _choose(found: list[Candidate], max_imbalance: float, costs: TokenCosts) -> Candidate:
+    """Fewest bytes from the busiest sender (forward and backward, every kind of message) among the
+    balanced candidates; else the best balanced."""
+    sent = {id(c): float(c.traffic.cost(costs).max()) for c in found}
     balanced = [c for c in found if c.imbalance <= max_imbalance]
     if balanced:
-        return min(balanced, key=lambda c: (int(c.tokens_sent.max()), c.imbalance, c.chunks_per_rank))
-    return min(found, key=lambda c: (c.imbalance, int(c.tokens_sent.max())))
+        return min(balanced, key=lambda c: (sent[id(c)], c.imbalance, c.chunks_per_rank))
+    return min(found, key=lambda c: (c.imbalance, sent[id(c)]))
+
+
+def _heads(heads: Any) -> tuple[int, int]:
+    """(q heads, kv heads) for the routing's byte counts; None: equal counts (their ratio is what matters)."""
+    if heads is None:
+        return 1, 1
+    if not isinstance(heads, (tuple, list)) or len(heads) != 2:
+        raise ArgumentError(f"heads must be (q_heads, kv_heads), got {heads!r}")
+    q_heads, kv_heads = (check_int(h, name, minimum=1) for h, name in zip(heads, ("q_heads", "kv_heads")))
+    if q_heads % kv_heads:
+        raise ArgumentError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    return q_heads, kv_heads
 
 
 def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = None,
          chunks_per_rank: Optional[int] = None, schedule: str = "auto",
-         max_imbalance: float = DEFAULT_MAX_IMBALANCE, weights: Optional[Mapping] = None) -> ShardPlan:
+         max_imbalance: float = DEFAULT_MAX_IMBALANCE, weights: Optional[Mapping] = None, route: str = "auto",
+         heads: Optional[tuple[int, int]] = None, head_parallel: Any = False) -> ShardPlan:
     """Plan context-parallel attention of ``block_mask`` over ``world_size`` ranks.
 
     ``strategy`` (``contiguous``, ``zigzag``, ``lpt``; None tries all) and ``chunks_per_rank`` pin
     the assignment; ``schedule`` is ``auto``, ``ring`` or ``allgather``; ``weights`` overrides
-    ``BLOCK_WEIGHTS`` per BlockType. Pure NumPy on a host copy of the metadata: no GPU needed."""
+    ``BLOCK_WEIGHTS`` per BlockType (measured costs, say). ``route``: ``auto`` lets queries travel
+    to their keys where that moves fewer bytes (routing.py), ``keys`` always moves K/V,
+    ``queries`` moves the queries of every remote pair (tests, measurements). ``heads``:
+    ``(q_heads, kv_heads)``, for the byte counts that decide (default equal). ``head_parallel``:
+    True runs the call as all-to-alls over heads (heads.py); ``"auto"`` does so when ``heads`` is
+    given, the kv heads divide among the ranks and that moves fewer bytes (the all-to-alls do not
+    overlap compute, the ring does: ``model.best_layout`` compares predicted times instead);
+    False (default) never. Pure NumPy on a host copy of the metadata: no GPU needed."""
     world_size = check_int(world_size, "world_size", minimum=1)
     if strategy is not None and strategy not in STRATEGIES:
         raise ArgumentError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
@@ -459,20 +448,30 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
         chunks_per_rank = check_int(chunks_per_rank, "chunks_per_rank", minimum=1)
     if schedule not in SCHEDULES:
         raise ArgumentError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if route not in ROUTES:
+        raise ArgumentError(f"route must be one of {ROUTES}, got {route!r}")
     max_imbalance = check_positive_float(max_imbalance, "max_imbalance")
+    costs = TokenCosts.of(*_heads(heads))
     mw = mask_work(block_mask, weights)
-    found = _candidates(mw, world_size, strategy, chunks_per_rank)
-    best = _choose(found, max_imbalance)
+    if route == "queries" and schedule == "allgather":
+        raise ArgumentError("route='queries' needs the ring schedule (the all-gather moves keys only)")
+    routing_costs = {"auto": costs, "keys": None, "queries": routing.ALL_QUERIES}[route]
+    found = _candidates(mw, world_size, strategy, chunks_per_rank,
+                        None if schedule == "allgather" else routing_costs, keys_too=route != "queries")
+    best = _choose(found, max_imbalance, costs)
     if schedule == "auto":
-        gather = world_size > 1 and needed_fraction(best.need, best.unit_owner, mw.unit_tokens) >= ALLGATHER_MIN_FRACTION
+        gather = (world_size > 1 and not best.moved.any()
+                  and needed_fraction(best.need, best.unit_owner, mw.unit_tokens) >= ALLGATHER_MIN_FRACTION)
         schedule = "allgather" if gather else "ring"
     result = ShardPlan(world_size, mw.seq_len, block_mask.q_block_size, block_mask.kv_block_size, mw.unit, best.strategy,
-                  best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
-                  mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, best.attends,
-                  max_imbalance,
-                  tuple(found), block_mask)
-    return result
+                     best.chunks_per_rank, best.chunk_of_unit, schedule, best.chunk_owner, best.unit_owner,
+                     mw.unit_tokens, mw.unit_work, best.rank_work, best.exchange_work, best.need, best.attends,
+                     max_imbalance, moved=best.moved, traffic=best.traffic, candidates=tuple(found), mask=block_mask,
+                     route=route if best.moved.any() else "keys")
+    degree = _choose_heads(result, head_parallel, None if heads is None else _heads(heads))
+    return result if degree == 1 else dataclasses.replace(result, head_parallel=degree, _cache={})
 
 
 __all__ = ["ShardPlan", "Candidate", "MaskWork", "plan", "mask_work", "contiguous", "zigzag", "lpt", "units_positions",
-           "unit_runs", "needed_fraction", "BLOCK_WEIGHTS", "STRATEGIES", "SCHEDULES", "ALLGATHER_MIN_FRACTION"]
+           "unit_runs", "needed_fraction", "BLOCK_WEIGHTS", "STRATEGIES", "SCHEDULES", "ROUTES",
+           "ALLGATHER_MIN_FRACTION", "head_bytes_sent"]

@@ -26,9 +26,10 @@ import numpy as np
 from .. import arrays
 from ..errors import ArgumentError, MaskError
 from .comm import Communicator
-from .errors import BackwardUnavailableError, DistributedError
+from .errors import BackwardUnavailableError, CommunicationError, DistributedError
+from . import heads
 from .exchange import KVExchange
-from .merge import merge_into
+from .merge import add_sink, merge_into, sink_gradient
 from .planner import ShardPlan
 from .steps import Part, RankProgram, program
 
@@ -99,6 +100,30 @@ def _device(x: Any, name: str, comm: Communicator, *, contiguous: bool = False):
     return cp.ascontiguousarray(d) if contiguous else d
 
 
+def _run_guarded(comm: Communicator, timeout: Optional[float], what: str, fn):
+    """``fn()`` (which posts transfers), then a bounded host wait for its work (``comm.wait``). Any
+    failure once transfers may be posted aborts the communicator, so that this rank never leaves
+    peers' operations pending on a live communicator; it is raised as CommunicationError (the cause
+    chained) unless it already is one."""
+    cp = arrays.cupy_module()
+    try:
+        result = fn()
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(cp.cuda.get_current_stream())
+    except CommunicationError:
+        raise
+    except Exception as exc:
+        comm.abort()
+        raise CommunicationError(f"rank {comm.rank}: {what} failed after its transfers were posted "
+                                 f"({type(exc).__name__}: {exc}); the communicator is aborted") from exc
+    comm.wait(done, timeout, what)
+    return result
+
+
+def _has_queries(prog: RankProgram) -> bool:
+    return any(s.q_send is not None or s.q_recv is not None for s in prog.remote_steps)
+
+
 def _host_result(host: bool, *results):
     return tuple(r.get() if host and r is not None else r for r in results)
 
@@ -142,40 +167,79 @@ def forward_steps(q: Any, k: Any, v: Any, prog: RankProgram, exchange: Any, *, s
         out = cp.zeros(q.shape, dtype=q.dtype)
         lse = cp.full(q.shape[:3], -np.inf, dtype=np.float32)
     exchange.post(1)
-    # Rows that remote parts touch are merged in float32, from the local result on.
+    # Rows that remote parts (or answers to travelling queries) touch are merged in float32.
     acc = _gather_rows(out, prog.touched, prog.touched_len) if prog.touched_len else None
     for step in prog.remote_steps:
         exchange.post(step.step + 1)
-        if step.recv is None:
-            continue
-        k_msg, v_msg = exchange.kv(step.step)
-        for part in step.parts:
-            o, part_lse = omnicupy.attention(_rows(q, part, prog.local_len), k_msg, v_msg, part.mask, scale=scale,
-                                             return_lse=True, stages=stages)
-            merge_into(acc[:, :, part.acc_start:part.acc_start + part.q_len],
-                       _rows(lse, part, prog.local_len), o, part_lse, cp)
-        exchange.done(step.step)
+        if step.recv is not None:
+            k_msg, v_msg = exchange.kv(step.step)
+            for part in step.parts:
+                o, part_lse = omnicupy.attention(_rows(q, part, prog.local_len), k_msg, v_msg, part.mask, scale=scale,
+                                                 return_lse=True, stages=stages)
+                merge_into(acc[:, :, part.acc_start:part.acc_start + part.q_len],
+                           _rows(lse, part, prog.local_len), o, part_lse, cp)
+        if step.q_recv is not None:  # another rank's queries against the local keys: answer (o, lse)
+            (q_guest,) = exchange.guest(step.step)
+            o, guest_lse = omnicupy.attention(q_guest, k, v, step.guest, scale=scale, return_lse=True, stages=stages)
+            o_slot, lse_slot = exchange.answer_buffers(step.step)
+            o_slot[...] = o
+            lse_slot[...] = guest_lse
+        if step.recv is not None or step.q_recv is not None:  # a rank with nothing here records nothing
+            exchange.done(step.step)
+        exchange.post_return(step.step)
     exchange.finish()
+    for step in prog.remote_steps:  # answers to this rank's travelling queries, merged in step order
+        if step.q_send is not None:
+            o_ans, lse_ans = exchange.answers(step.step)
+            for (own, at, n), (slot, _, _) in zip(step.q_send.runs, step.q_send.acc_runs):
+                merge_into(acc[:, :, slot:slot + n], lse[:, :, own:own + n], o_ans[:, :, at:at + n],
+                           lse_ans[:, :, at:at + n], cp)
     if acc is not None:
         _scatter_rows(out, acc, prog.touched)
     return out, lse
 
 
+def _sinks(sinks: Any, heads: int, comm: Communicator) -> Any:
+    """``sinks`` as a float32 [Hq] array on the communicator's device (None stays None)."""
+    if sinks is None:
+        return None
+    s = _array(sinks, "sinks")
+    if tuple(s.shape) != (heads,):
+        raise ArgumentError(f"sinks must be one logit per query head, shape ({heads},), got {tuple(s.shape)}")
+    return _device(s, "sinks", comm).astype(np.float32)
+
+
 def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, scale: Optional[float] = None,
-              return_lse: bool = False, stages: Optional[int] = None):
+              return_lse: bool = False, stages: Optional[int] = None, sinks: Any = None,
+              timeout: Optional[float] = None):
     """Attention of this rank's queries over the whole sharded sequence, under ``plan``'s mask.
 
     q ``[B, Hq, L, D]`` and k/v ``[B, Hkv, L, D]`` are this rank's shards (``shard(x, plan,
     comm.rank)``), float16 or bfloat16; GQA as in ``omnicupy.attention``. Every rank of ``comm``
     calls this with the same plan. Returns this rank's output shard (and, with ``return_lse``, its
     float32 LSE ``[B, Hq, L]``): ``unshard`` puts them back in sequence order. NumPy shards give
-    NumPy results; others CuPy arrays on the current stream."""
+    NumPy results; others CuPy arrays on the current stream. ``sinks`` (float32 [Hq]): a logit per
+    query head that joins every row's normalizer once (the returned LSE includes it). ``timeout``
+    (seconds; default ``comm.timeout_s``, 0: return without waiting): the host waits that long at
+    most for the call's work, then aborts the communicator and raises CommunicationTimeoutError;
+    any other failure after transfers are posted aborts it and raises CommunicationError."""
     q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     prog = _prepare(plan, comm, q, k, v)
     host = arrays.is_numpy(q)
     q = _device(q, "q", comm)
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    out, lse = forward_steps(q, k, v, prog, KVExchange(comm, prog, k, v), scale=scale, stages=stages)
+    sinks = _sinks(sinks, q.shape[1], comm)
+    comm.check()
+
+    def run():
+        if plan.head_parallel > 1:
+            return heads.forward(q, k, v, plan, comm, scale=scale, stages=stages)
+        exchange = KVExchange(comm, prog, k, v, queries=(q,) if _has_queries(prog) else ())
+        return forward_steps(q, k, v, prog, exchange, scale=scale, stages=stages)
+
+    out, lse = _run_guarded(comm, timeout, "distributed.attention", run)
+    if sinks is not None:  # once per row, at the row's owner, after every partial is in
+        add_sink(out, lse, sinks, arrays.cupy_module())
     out, lse = _host_result(host, out, lse)
     return (out, lse) if return_lse else out
 
@@ -238,6 +302,8 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
         dq, dk, dv = (cp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     exchange.post(1)
     dq_acc = _gather_rows(dq, prog.touched, prog.touched_len) if prog.touched_len else None
+    # dK/dV of other ranks' travelling queries against the local keys, summed in float32 in step order
+    guests = [cp.zeros(x.shape, dtype=np.float32) for x in (k, v)] if prog.hosts_queries else None
     for step in prog.remote_steps:
         s = step.step
         exchange.post(s + 1)
@@ -246,13 +312,35 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
             dk_msg, dv_msg = exchange.return_buffers(s)
             _message_gradients(bwd, step.parts, (dout, q, out, lse), k_msg, v_msg, dk_msg, dv_msg, dq_acc,
                                prog.local_len, options)
+        if step.q_recv is not None:  # answer dQ; dK/dV stay here
+            q_g, dout_g, out_g, lse_g = exchange.guest(s)
+            (dq_slot,) = exchange.answer_buffers(s)
+            _, dk_g, dv_g = bwd(dout_g, q_g, k, v, out_g, lse_g, step.guest, dq=dq_slot, **options)
+            for total, part in zip(guests, (dk_g, dv_g)):
+                cp.add(total, part.astype(np.float32), out=total)
+        if step.recv is not None or step.q_recv is not None:
             exchange.done(s)
         exchange.post_return(s)
     exchange.finish()
+    for step in prog.remote_steps:  # dQ answers to this rank's travelling queries, in step order
+        if step.q_send is not None:
+            (dq_ans,) = exchange.answers(step.step)
+            for (own, at, n), (slot, _, _) in zip(step.q_send.runs, step.q_send.acc_runs):
+                window = dq_acc[:, :, slot:slot + n]
+                cp.add(window, dq_ans[:, :, at:at + n].astype(np.float32), out=window)
     if dq_acc is not None:
         _scatter_rows(dq, dq_acc, prog.touched)
-    for grad, returned in ((dk, exchange.dk), (dv, exchange.dv)):  # own partial + the ones sent back
-        if returned is not None:
+    for i, (grad, returned) in enumerate(((dk, exchange.dk), (dv, exchange.dv))):
+        # own partial + the travelling queries' (step order) + the ones sent back (step order)
+        if guests is not None:
+            total = guests[i]
+            cp.add(total, grad.astype(np.float32), out=total)
+            if returned is not None:
+                for row, at, n in prog.returned:
+                    window = total[:, :, row:row + n]
+                    cp.add(window, returned[:, :, at:at + n], out=window)
+            grad[...] = total
+        elif returned is not None:
             total = _gather_rows(grad, prog.returned, prog.returned_len)
             total += returned
             _scatter_rows(grad, total, prog.returned)
@@ -260,10 +348,16 @@ def backward_steps(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, prog: 
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, plan: ShardPlan, comm: Communicator, *,
-                       scale: Optional[float] = None, deterministic: bool = False):
+                       scale: Optional[float] = None, deterministic: bool = False, sinks: Any = None,
+                       timeout: Optional[float] = None):
     """Gradients ``(dq, dk, dv)`` of this rank's shards, from this rank's ``dout`` and the ``out`` and
     ``lse`` that ``attention(..., return_lse=True)`` returned for them. Every rank calls it with the
-    same plan. dK/dV include the contributions of every rank's queries."""
+    same plan. dK/dV include the contributions of every rank's queries. Partial gradients are
+    always summed in a fixed order (the program's step order, never arrival order), so the result
+    does not depend on timing; ``deterministic`` is passed to the single-GPU backward.
+    With ``sinks`` (the forward's), returns ``(dq, dk, dv, dsinks)``: the LSE already holds the
+    sinks, so dq/dk/dv need nothing more, and dsinks [Hq] is summed over the ranks (all-reduce).
+    ``timeout`` and failures as in ``attention``."""
     bwd = backward_function()
     dout, q, k, v, out, lse = (_array(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                                           (lse, "lse")))
@@ -277,9 +371,21 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     host = arrays.is_numpy(q)
     q, dout, out, lse = (_device(x, n, comm) for x, n in ((q, "q"), (dout, "dout"), (out, "out"), (lse, "lse")))
     k, v = _device(k, "k", comm, contiguous=True), _device(v, "v", comm, contiguous=True)
-    exchange = KVExchange(comm, prog, k, v, returns=True)
-    grads = backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
-                           dict(scale=scale, deterministic=deterministic))
+    sinks = _sinks(sinks, q.shape[1], comm)
+    comm.check()
+
+    def run():
+        if plan.head_parallel > 1:
+            return heads.backward(dout, q, k, v, out, lse, plan, comm, bwd, dict(scale=scale, deterministic=deterministic))
+        exchange = KVExchange(comm, prog, k, v, returns=True,
+                              queries=(q, dout, out, lse) if _has_queries(prog) else ())
+        return backward_steps(dout, q, k, v, out, lse, prog, exchange, bwd,
+                              dict(scale=scale, deterministic=deterministic))
+
+    grads = _run_guarded(comm, timeout, "distributed.attention_backward", run)
+    if sinks is not None:
+        dsinks = arrays.cupy_module().ascontiguousarray(sink_gradient(dout, out, lse, sinks, arrays.cupy_module()))
+        grads = (*grads, comm.all_reduce(dsinks, "sum"))
     return _host_result(host, *grads)
 
 

@@ -18,6 +18,13 @@ with its own sub-mask, so a sliding window's message costs the window's rows, no
 The rows some remote step touches (``touched``) are the only ones merged in float32: they get a
 compact accumulator, ``acc`` offsets map each part into it. The same for the rows of this rank's
 K/V that come back as dK/dV partials (``returned``, with each message's ``acc_runs``).
+
+Travelling queries (routing.py). At step s a rank may also send some of its q units to rank
+``(rank + s) % W`` (``q_send``: cut from its shard by runs, like K/V) and receive some of rank
+``(rank - s) % W``'s (``q_recv``), which it computes against its whole local K/V under ``guest``
+(the sub-mask of those queries against its own units) and answers in the same step: the partial
+output and LSE in the forward, the dQ partial in the backward (dK/dV stay). The rows of ``q_send``
+are part of ``touched`` (their answers merge into the same float32 accumulator, ``acc_runs``).
 """
 from __future__ import annotations
 
@@ -63,7 +70,9 @@ class Part:
 @dataclass(frozen=True)
 class Step:
     """Step ``step``: send ``send`` to rank ``(rank + step) % W``, receive ``recv`` from rank
-    ``(rank - step) % W`` and compute ``parts`` of the local queries against it (none: nothing)."""
+    ``(rank - step) % W`` and compute ``parts`` of the local queries against it (none: nothing).
+    Queries: send ``q_send`` to the same ``dst``; compute ``q_recv`` from ``src`` against the local
+    keys under ``guest`` and answer ``src``."""
 
     step: int
     dst: int
@@ -71,6 +80,9 @@ class Step:
     send: Optional[Message]
     recv: Optional[Message]
     parts: tuple[Part, ...]
+    q_send: Optional[Message] = None
+    q_recv: Optional[Message] = None
+    guest: Optional[BlockMask] = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,19 @@ class RankProgram:
     @property
     def max_send_len(self) -> int:
         return max((s.send.length for s in self.remote_steps if s.send), default=0)
+
+    @property
+    def max_q_recv_len(self) -> int:
+        return max((s.q_recv.length for s in self.remote_steps if s.q_recv), default=0)
+
+    @property
+    def q_sent_len(self) -> int:
+        """Rows of this rank's queries that travel, summed over the steps (one answer buffer each)."""
+        return sum(s.q_send.length for s in self.remote_steps if s.q_send)
+
+    @property
+    def hosts_queries(self) -> bool:
+        return any(s.q_recv is not None for s in self.remote_steps)
 
     @property
     def max_packed_send_len(self) -> int:
@@ -159,6 +184,13 @@ def _compact(runs: tuple[Run, ...], start: int) -> int:
     raise AssertionError(f"position {start} is in no run")  # the runs are built to cover it
 
 
+def _with_acc_runs(message: Message, compact: tuple[Run, ...]) -> Message:
+    """``message`` with the offsets of its runs in the compact buffer that ``compact`` describes."""
+    acc_runs = tuple((_compact(compact, o), at, n) for o, at, n in message.runs)
+    return Message(message.step, message.owner, message.units, message.length, message.runs, message.whole_shard,
+                   acc_runs)
+
+
 def _message(plan: ShardPlan, step: int, owner: int, units: np.ndarray) -> Optional[Message]:
     if not units.size:
         return None
@@ -175,14 +207,19 @@ def _host(plan: ShardPlan) -> HostMetadata:
     return plan._cache["host"]
 
 
-def _parts(plan: ShardPlan, own: np.ndarray, kv_units: np.ndarray) -> list[tuple[int, int, BlockMask]]:
-    """(q start, q length, sub-mask) of each run of consecutive local units that attends to ``kv_units``."""
+def _parts(plan: ShardPlan, own: np.ndarray, kv_units: np.ndarray, src: int) -> list[tuple[int, int, BlockMask]]:
+    """(q start, q length, sub-mask) of each run of consecutive local units that attends to
+    ``kv_units`` (rank ``src``'s), leaving out the units whose queries travel to ``src`` instead."""
     whole = submask(plan.mask, own, kv_units, plan.unit, _host(plan))
     if whole is None:
         return []
     counts = np.asarray(whole.kv_num_blocks).reshape(-1, whole.num_q_blocks).max(axis=0)
     active_blocks = np.flatnonzero(counts > 0)
     active = np.unique(active_blocks * plan.q_block_size // plan.unit)  # local unit indices
+    if plan.moved is not None:
+        active = active[~plan.moved[own[active], src]]
+    if not active.size:
+        return []
     starts = np.concatenate([[0], np.cumsum(plan.unit_tokens[own])])
     parts = []
     for group in np.split(active, np.flatnonzero(np.diff(active) != 1) + 1):
@@ -198,21 +235,27 @@ def build(plan: ShardPlan, rank: int) -> RankProgram:
     own = plan.rank_units(rank)
     local_len = plan.local_len(rank)
     local = submask(plan.mask, own, own, plan.unit, _host(plan))
-    raw = []
+    raw, queries = [], []
     for s in range(1, world):
         dst, src = (rank + s) % world, (rank - s) % world
         send = _message(plan, s, rank, plan.send_units(rank, s))
         recv = _message(plan, s, src, plan.recv_units(rank, s))
-        raw.append((s, dst, src, send, recv, [] if recv is None else _parts(plan, own, recv.units)))
-    touched = _union([(a, a + n) for *_, parts in raw for a, n, _ in parts])
+        raw.append((s, dst, src, send, recv, [] if recv is None else _parts(plan, own, recv.units, src)))
+        q_send = _message(plan, s, rank, plan.q_send_units(rank, s))
+        q_recv = _message(plan, s, src, plan.q_recv_units(rank, s))
+        guest = None if q_recv is None else submask(plan.mask, q_recv.units, own, plan.unit, _host(plan))
+        queries.append((q_send, q_recv, guest))
+    touched = _union([(a, a + n) for *_, parts in raw for a, n, _ in parts]
+                     + [(o, o + n) for q_send, _, _ in queries if q_send for o, _, n in q_send.runs])
     returned = _union([(o, o + n) for _, _, _, send, _, _ in raw if send for o, _, n in send.runs])
     steps = [Step(0, rank, rank, None, None, () if local is None else (Part(0, local_len, local),))]
-    for s, dst, src, send, recv, parts in raw:
+    for (s, dst, src, send, recv, parts), (q_send, q_recv, guest) in zip(raw, queries):
         if send is not None:
-            acc_runs = tuple((_compact(returned, o), at, n) for o, at, n in send.runs)
-            send = Message(send.step, send.owner, send.units, send.length, send.runs, send.whole_shard, acc_runs)
-        steps.append(Step(s, dst, src, send, recv,
-                          tuple(Part(a, n, m, _compact(touched, a)) for a, n, m in parts)))
+            send = _with_acc_runs(send, returned)
+        if q_send is not None:
+            q_send = _with_acc_runs(q_send, touched)
+        steps.append(Step(s, dst, src, send, recv, tuple(Part(a, n, m, _compact(touched, a)) for a, n, m in parts),
+                          q_send, q_recv, guest))
     return RankProgram(rank, world, plan.schedule, local_len, tuple(plan.local_len(r) for r in range(world)),
                        tuple(steps), touched, returned)
 
