@@ -55,3 +55,7 @@ class CacheError(OmnicupyError):
 class HeadDimError(ArgumentError):
     """A head dim the kernels cannot take: not a multiple of 8 (rows must be whole 16-byte chunks)
     or outside 8..256."""
+
+
+class InternalError(OmnicupyError, RuntimeError):
+    """A state omnicupy's own code should never reach (a bug, not bad input): please report it."""

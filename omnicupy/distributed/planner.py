@@ -44,6 +44,8 @@ from .. import BlockMask, BlockType
 from ..checks import check_int, check_positive_float
 from ..errors import ArgumentError, MaskError
 from .submask import cdiv, host_metadata
+from .checks import check_plan_args
+from .summary import summary
 
 #: Relative cost of one listed block by type: CAUSAL blocks compute about half their elements.
 BLOCK_WEIGHTS: Mapping[BlockType, int] = {BlockType.MASKED: 0, BlockType.CAUSAL: 1, BlockType.FULL: 2,
@@ -128,6 +130,9 @@ class ShardPlan:
     candidates: tuple = field(repr=False, compare=False, default=())
     mask: Optional[BlockMask] = field(repr=False, compare=False, default=None)
     _cache: dict = field(repr=False, compare=False, default_factory=dict)
+
+    def __repr__(self) -> str:
+        return summary(self)  # a few lines; the arrays stay readable as attributes
 
     # ------------------------------------------------------------------ shape
     @property
@@ -452,6 +457,7 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     ``strategy`` (``contiguous``, ``zigzag``, ``lpt``; None tries all) and ``chunks_per_rank`` pin
     the assignment; ``schedule`` is ``auto``, ``ring`` or ``allgather``; ``weights`` overrides
     ``BLOCK_WEIGHTS`` per BlockType. Pure NumPy on a host copy of the metadata: no GPU needed."""
+    check_plan_args(block_mask, weights)
     world_size = check_int(world_size, "world_size", minimum=1)
     if strategy is not None and strategy not in STRATEGIES:
         raise ArgumentError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")

@@ -26,6 +26,7 @@ import numpy as np
 from .. import arrays
 from ..errors import ArgumentError, MaskError
 from .comm import Communicator
+from .checks import check_call
 from .errors import BackwardUnavailableError, DistributedError
 from .exchange import KVExchange
 from .merge import merge_into
@@ -170,6 +171,7 @@ def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, sc
     calls this with the same plan. Returns this rank's output shard (and, with ``return_lse``, its
     float32 LSE ``[B, Hq, L]``): ``unshard`` puts them back in sequence order. NumPy shards give
     NumPy results; others CuPy arrays on the current stream."""
+    check_call(plan, comm, return_lse=return_lse)
     q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     prog = _prepare(plan, comm, q, k, v)
     host = arrays.is_numpy(q)
@@ -264,6 +266,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     """Gradients ``(dq, dk, dv)`` of this rank's shards, from this rank's ``dout`` and the ``out`` and
     ``lse`` that ``attention(..., return_lse=True)`` returned for them. Every rank calls it with the
     same plan. dK/dV include the contributions of every rank's queries."""
+    check_call(plan, comm, deterministic=deterministic)
     bwd = backward_function()
     dout, q, k, v, out, lse = (_array(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                                           (lse, "lse")))

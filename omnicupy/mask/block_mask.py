@@ -417,7 +417,8 @@ class BlockMask:
         wider or taller than ``width`` blocks, one character per square of blocks (see
         ``display.picture``). Reads one (batch, head)'s rows a chunk at a time."""
         width = check_int(width, "width", minimum=1, error=MaskError)
-        b, h = min(batch, self.shape[0] - 1), min(head, self.shape[1] - 1)
+        b = check_int(batch, "batch", minimum=0, maximum=self.shape[0] - 1, error=MaskError)  # the mask's own dims
+        h = check_int(head, "head", minimum=0, maximum=self.shape[1] - 1, error=MaskError)
         runs = None if self._runs is None else self._runs.of(b, h)
         return display.picture(self._kv_num_blocks[b, h], self._kv_indices[b, h], self._block_mask_types[b, h],
                                self.num_kv_blocks, width, runs=runs)

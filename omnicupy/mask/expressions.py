@@ -309,6 +309,16 @@ def check_key(key: tuple, *, kind: str = "score") -> tuple:
     return key
 
 
+def check_grad(grad: Optional[str], score_key: Optional[tuple]) -> Optional[str]:
+    """A score modifier's derivative text, re-checked where it is rendered: the same grammar, over the
+    score expression's constants and arrays (``check_key``), whoever built the CudaExpr it came from."""
+    if grad is None:
+        return None
+    if score_key is None:
+        raise ExpressionError("a score derivative without its score expression")
+    return check_key((grad, score_key[1], score_key[2]), kind="score")[0]
+
+
 def merge_names(*exprs: Optional[CudaExpr]) -> None:
     """Raise if two fused expressions define the same constant or array name differently."""
     seen: dict = {}
