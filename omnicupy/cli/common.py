@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from ..jit import MIN_ARCH, env
 from ..jit.compiler import arch_number, normalize_arch
-from ..errors import InternalError
+from ..errors import ArgumentError, InternalError
 
 log = logging.getLogger("omnicupy.cli")
 
@@ -22,7 +22,7 @@ MAX_DEFAULT_JOBS = 8
 ARCH_SPECIFIC = ("sm_90a",)
 
 
-class UsageError(Exception):
+class UsageError(ArgumentError):
     """Arguments that parse but make no sense here (exit status 2)."""
 
 

@@ -56,10 +56,13 @@ def _silence_stdout() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 here
-    if args.cache_dir:
+    name = f"omnicupy {args.command}"
+    if getattr(args, "cache_dir", None) is not None:
+        if not args.cache_dir.strip():
+            print(f"{name}: error: --cache-dir is empty (leave it out for the default cache)", file=sys.stderr)
+            return 2
         os.environ["OMNICUPY_CACHE_DIR"] = args.cache_dir  # worker processes inherit it
     env.configure_logging()
-    name = f"omnicupy {args.command}"
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
