@@ -47,7 +47,8 @@ def check_decode_args(kv_lens: Any, num_splits: Any, batch: int, kv_len: int) ->
     from . import decode  # decode imports this package's inputs; imported here to keep the graph simple
 
     decode.check_num_splits(num_splits)
-    on_device = arrays.is_cupy(kv_lens) or hasattr(kv_lens, "__cuda_array_interface__") or hasattr(kv_lens, "__dlpack__")
+    on_device = not arrays.is_numpy(kv_lens) and (arrays.is_cupy(kv_lens) or hasattr(kv_lens, "__dlpack__")
+                                                  or hasattr(kv_lens, "__cuda_array_interface__"))
     if kv_lens is not None and not on_device:  # device lengths: checked on the device, or clamped by the kernel
         decode.check_lengths(kv_lens, batch, kv_len)
 
