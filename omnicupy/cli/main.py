@@ -5,6 +5,7 @@
     omnicupy cache path | list | clear [--older-than DAYS]
     omnicupy info
     omnicupy demo
+    omnicupy plan [--q-len N] [--heads H] [--head-dim D] [--mask causal] [--arch sm_90] [--backward]
     omnicupy bench [--harness PATH] [-- HARNESS ARGS]
 
 ``--cache-dir DIR`` is accepted before or after the command. Exit status: 0 success, 1 failure,
@@ -21,10 +22,10 @@ from typing import Optional, Sequence
 from .._version import __version__
 from ..errors import OmnicupyError
 from ..jit import env
-from . import bench, cache, demo, info, precompile
+from . import bench, cache, demo, info, plan, precompile
 from .common import UsageError, first_line, log
 
-COMMANDS = (precompile, cache, info, demo, bench)
+COMMANDS = (precompile, cache, info, demo, plan, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
