@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import ExpressionError
 from . import expr_syntax
@@ -251,7 +251,7 @@ class _Parser:
                 left = _hull(yes, no) if yes.is_int and no.is_int else Range.unbounded("a float", False)
                 continue
             prec = _BINARY_PRECEDENCE.get(op or "")
-            if prec is None or prec < min_prec:
+            if op is None or prec is None or prec < min_prec:
                 return left
             self.take()
             left = _binary(op, left, self.expression(prec + 1))
@@ -312,13 +312,13 @@ class _Parser:
         return Range.unbounded(f"{t} is a float", is_int=False)  # score
 
 
-def _value_ranges(constants: Optional[Mapping[str, object]], arrays: Optional[Mapping[str, object]]):
-    consts = {}
+def _value_ranges(constants: Optional[Mapping[str, Any]],
+                  arrays: Optional[Mapping[str, Any]]) -> tuple[dict[str, Range], dict[str, Range]]:
+    consts: dict[str, Range] = {}
     for name, value in (constants or {}).items():
-        is_int = isinstance(value, (bool, int)) or getattr(value, "dtype", None) is not None and \
-            getattr(value.dtype, "kind", "") in "biu"
+        is_int = isinstance(value, (bool, int)) or getattr(getattr(value, "dtype", None), "kind", "f") in "biu"
         consts[name] = Range.point(int(value)) if is_int else Range.unbounded(f"{name} is a float", False)
-    values = {}
+    values: dict[str, Range] = {}
     for name, bounds in (arrays or {}).items():
         values[name] = Range.unbounded(f"{name} holds floats", False) if bounds is None else \
             Range((Form.of(bounds[0]),), (Form.of(bounds[1]),))
