@@ -587,5 +587,81 @@ def test_bad_input_gets_a_named_error_before_any_launch(call, error, match):
         assert match in str(info.value), str(info.value)
 
 
-def test_the_battery_holds_at_least_500_inputs():
-    assert len(CASES) >= 500, len(CASES)
+# ------------------------------------------------------------------ command line: usage errors exit 2
+CLI_USAGE = [
+    [], ["frobnicate"], ["--cache-dir", ""], ["--cache-dir", " ", "info"], ["precompile", "--head-dims", "7"],
+    ["precompile", "--head-dims", "abc"], ["precompile", "--head-dims", ""], ["precompile", "--dtypes", "fp64"],
+    ["precompile", "--stages", "5"], ["precompile", "--ops", "everything"], ["precompile", "--jobs", "0"],
+    ["precompile", "--jobs", "-3"], ["precompile", "--arch", "sm_70"], ["precompile", "--arch", "bogus"],
+    ["precompile", "--arch", "sm_80a"], ["precompile", "--frob"], ["cache"], ["cache", "nuke"],
+    ["cache", "clear", "--older-than", "-1"], ["cache", "clear", "--older-than", "soon"],
+    ["cache", "clear", "--older-than", "nan"], ["info", "--extra"], ["demo", "--head-dim", "48"],
+    ["demo", "--dtype", "fp64"], ["demo", "--jobs", "0"], ["plan", "--mask", "bogus"],
+    ["plan", "--mask", "sliding_window:x"], ["plan", "--mask", "local_window:1"], ["plan", "--q-len", "0"],
+    ["plan", "--heads", "-1"], ["plan", "--dtype", "fp64"], ["plan", "--head-dim", "x"],
+]
+
+
+@pytest.mark.parametrize("argv", CLI_USAGE, ids=lambda a: "-".join(a) or "none")
+def test_cli_usage_error_exits_2_with_one_line(argv, capsys, tmp_path, monkeypatch):
+    from omnicupy.cli.main import main
+
+    monkeypatch.setenv("OMNICUPY_CACHE_DIR", str(tmp_path / "cache"))
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        status = exc.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "error" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ environment switches and the cache folder
+ENV_BAD = [("OMNICUPY_KEEP_SOURCE", "maybe"), ("OMNICUPY_KEEP_SOURCE", "2"), ("OMNICUPY_MMA", "bogus"),
+           ("OMNICUPY_MMA", "wgmma2"), ("OMNICUPY_BWD", "tma"), ("OMNICUPY_SCHEDULE", "random"),
+           ("OMNICUPY_LINEINFO", "sure"), ("OMNICUPY_VERBOSE", "loud"), ("OMNICUPY_CACHE_DIR", "  ")]
+
+
+@pytest.mark.parametrize("name,value", ENV_BAD, ids=lambda x: str(x))
+def test_bad_environment_switch_is_a_named_error(monkeypatch, name, value):
+    from omnicupy.jit import env
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError, match=name):
+        env.check_all()
+
+
+@pytest.mark.parametrize("name,value", [("OMNICUPY_MMA", "bogus"), ("OMNICUPY_SCHEDULE", "random")])
+def test_bad_dispatch_switch_is_refused_by_plan(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ArgumentError, match=name):
+        omnicupy.plan(Q, K, V, causal=True, arch="sm_80")
+
+
+def _group_writable(parent):
+    root = parent / "g"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o770)
+    return root
+
+
+CACHE_BAD = [
+    pytest.param(lambda p: (p / "file").write_bytes(b"x") and p / "file", id="a-file"),
+    pytest.param(_group_writable, id="group-writable"),
+    pytest.param(lambda p: (p.joinpath("t").mkdir(), os.chmod(p / "t", 0o707), p / "t")[-1], id="other-writable"),
+]
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX modes")
+@pytest.mark.parametrize("make", CACHE_BAD)
+def test_unusable_cache_folder_is_a_cache_error(tmp_path, make):
+    from omnicupy.jit.cache import DiskCache
+
+    with pytest.raises(CacheError):
+        DiskCache(make(tmp_path)).ensure_ready()
+
+
+def test_the_battery_counts(capsys):
+    total = len(CASES) + len(CLI_USAGE) + len(ENV_BAD) + 2 + len(CACHE_BAD)
+    print(f"battery: {total} bad inputs")
+    assert total >= 500
