@@ -4,8 +4,11 @@ A BlockMask lists, for every (batch, head, q block), which kv blocks to visit an
 each needs: CAUSAL (element rule ``q_idx >= kv_idx``), FULL (none) or PARTIAL (a bit-packed
 element mask from a deduplicated pool). Blocks not listed are skipped without a load.
 
-A BlockMask owns what it validated: arrays passed in are copied (NumPy copies are read-only), so
-changing the caller's arrays afterwards cannot reach a kernel. Validation runs where the arrays
+A BlockMask owns what it validated and cannot change afterwards: arrays passed in are copied; host
+arrays are frozen on immutable memory (frozen.py: ``flags.writeable = True`` is refused, on them and
+on every array they view), device arrays stay private (reading a public one gives a copy), public
+attributes cannot be reassigned (MaskError), and the upload (``device_metadata``) checks that the
+validated arrays are still the ones held. Validation runs where the arrays
 live (NumPy or CuPy: one reduction and one small transfer back) and also yields a summary (block
 counts per type, the work of each q block) that inspection and the launch order read without
 touching the metadata again. Inspection (``repr``, ``sparsity``, ``to_string``) takes memory in
