@@ -49,7 +49,7 @@ def _total(lengths: Sequence[int], what: str) -> None:
 def causal(offset: int = 0) -> MaskMod:
     """``q_idx + offset >= kv_idx``: offset 0 is top-left aligned (flex-attention's convention);
     ``offset = kv_len - q_len`` aligns the last query with the last key (bottom-right)."""
-    offset = _arg(offset, "offset", -MAX_MASK_ARG)
+    offset = _arg(offset, "offset", -MAX_MASK_ARG - 1)
     if offset == 0:
         def causal(b, h, q_idx, kv_idx):
             """q_idx >= kv_idx"""
