@@ -59,7 +59,12 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     args = parser.parse_args()
     if not arrays.gpu_available():
-        print("context_parallel.py needs one NVIDIA GPU per process; none is usable here, so nothing was run.")
+        # The plan needs no GPU: show who would own which tokens and who would send what to whom.
+        print("context_parallel.py needs one NVIDIA GPU per process to run; none is usable here. The plan:")
+        bm = build_mask(args.mask, args.n)
+        print(f"mask {args.mask}, {bm!r}")
+        for world in (2, 4):
+            print(omnicupy.distributed.plan(bm, world))
         return 0
     import cupy as cp
 

@@ -57,7 +57,13 @@ class PagedCache:
 
 def main() -> int:
     if not arrays.gpu_available():
-        print("decode_loop.py needs an NVIDIA GPU with a CUDA driver; none is usable here, so nothing was run.")
+        # Which kernel one decode step would run, on an H100/H200 (the plan needs no GPU).
+        print("decode_loop.py needs an NVIDIA GPU to run; none is usable here. One decode step's plan on sm_90:")
+        longest = max(PROMPTS) + STEPS
+        q = np.zeros((len(PROMPTS), HQ, 1, D), np.float16)
+        kv = np.broadcast_to(np.zeros(D, np.float16), (len(PROMPTS), HKV, MAX_PAGES * PAGE_SIZE, D))
+        lens = np.array([min(p + STEPS, longest) for p in PROMPTS], np.int32)
+        print(omnicupy.plan(q, kv, kv, causal=True, kv_lens=lens, arch="sm_90"))
         return 0
     import cupy as cp
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 import omnicupy
 from omnicupy import arrays, reference
 
@@ -26,7 +28,12 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 128
 
 def main() -> int:
     if not arrays.gpu_available():
-        print("interleaved_vlm.py needs an NVIDIA GPU with a CUDA driver; none is usable here, so nothing was run.")
+        # The mask and the plan need no GPU.
+        print("interleaved_vlm.py needs an NVIDIA GPU to run; none is usable here. Its mask and plan on sm_90:")
+        bm = omnicupy.BlockMask.from_mask_mod(omnicupy.masks.interleaved(SEGMENTS), None, None, N, N)
+        print(f"{bm!r}\n{bm.to_string()}")
+        q = np.broadcast_to(np.zeros(HEAD_DIM, np.float16), (BATCH, HEADS, N, HEAD_DIM))
+        print(omnicupy.plan(q, q, q, bm, arch="sm_90"))
         return 0
     import cupy as cp
 

@@ -38,7 +38,13 @@ def gpu_ms(fn) -> float:
 
 def main() -> int:
     if not arrays.gpu_available():
-        print("packed_documents.py needs an NVIDIA GPU with a CUDA driver; none is usable here, so nothing was run.")
+        # The mask and the plan need no GPU (the mask's blocks are evaluated with NumPy here).
+        print("packed_documents.py needs an NVIDIA GPU to run; none is usable here. Its mask and plan on sm_90:")
+        ids = np.stack([random_packing(np.random.default_rng(0), N) for _ in range(BATCH)])
+        bm = omnicupy.BlockMask.from_mask_mod(masks.document(ids, causal=True), BATCH, None, N, N)
+        print(f"{bm!r}\nbatch 0:\n{bm.to_string(batch=0)}")
+        q = np.broadcast_to(np.zeros(HEAD_DIM, np.float16), (BATCH, HEADS, N, HEAD_DIM))
+        print(omnicupy.plan(q, q, q, bm, arch="sm_90"))
         return 0
     import cupy as cp
 

@@ -110,7 +110,13 @@ def show(label: str, losses: list[float]) -> None:
 
 def main() -> int:
     if not arrays.gpu_available():
-        print("train_attention.py needs an NVIDIA GPU with a CUDA driver; none is usable here, so nothing was run.")
+        # The mask and both plans (forward and backward) need no GPU.
+        print("train_attention.py needs an NVIDIA GPU to train; none is usable here. Its mask and plans on sm_90:")
+        bm = BlockMask.from_mask_mod(masks.document(masks.doc_ids_from_lengths(DOCS)), None, None, N, N)
+        print(f"{bm!r}\n{bm.to_string()}")
+        q = np.broadcast_to(np.zeros(D, np.float16), (B, H, N, D))
+        print(omnicupy.plan(q, q, q, bm, arch="sm_90"))
+        print(omnicupy.ops.backward.plan(q, q, q, bm, arch="sm_90"))
         return 0
     bm = BlockMask.from_mask_mod(masks.document(masks.doc_ids_from_lengths(DOCS)), None, None, N, N)
     print(f"mask: packed documents {DOCS}, {bm!r}")

@@ -60,3 +60,7 @@ class HeadDimError(ArgumentError):
 class MissingDependencyError(OmnicupyError, ImportError):
     """An optional dependency an omnicupy module needs is not installed (torch for omnicupy.torch,
     jax for omnicupy.jax); the message names the install extra."""
+
+
+class InternalError(OmnicupyError, RuntimeError):
+    """A state omnicupy's own code should never reach (a bug, not bad input): please report it."""

@@ -143,7 +143,7 @@ def test_sharding_refuses_a_missing_plan(call):
     from omnicupy.distributed import sharding
 
     x = np.zeros((1, 1, 256, 4))
-    with pytest.raises(ArgumentError, match="plan must come"):
+    with pytest.raises(ArgumentError, match="plan must be an omnicupy.distributed.ShardPlan"):
         sharding.shard(x, None, 0) if call == "shard" else sharding.gather_shards([x], None)
 
 

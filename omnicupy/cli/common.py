@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from ..jit import MIN_ARCH, env
 from ..jit.compiler import arch_number, normalize_arch
+from ..errors import ArgumentError, InternalError
 
 log = logging.getLogger("omnicupy.cli")
 
@@ -21,7 +22,7 @@ MAX_DEFAULT_JOBS = 8
 ARCH_SPECIFIC = ("sm_90a",)
 
 
-class UsageError(Exception):
+class UsageError(ArgumentError):
     """Arguments that parse but make no sense here (exit status 2)."""
 
 
@@ -108,7 +109,7 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    raise InternalError("human_bytes: unreachable")
 
 
 def human_age(seconds: float) -> str:

@@ -5,6 +5,7 @@
     omnicupy cache path | list | clear [--older-than DAYS]
     omnicupy info
     omnicupy demo
+    omnicupy plan [--q-len N] [--heads H] [--head-dim D] [--mask causal] [--arch sm_90] [--backward]
     omnicupy bench [--harness PATH] [-- HARNESS ARGS]
 
 ``--cache-dir DIR`` is accepted before or after the command. Exit status: 0 success, 1 failure,
@@ -21,10 +22,10 @@ from typing import Optional, Sequence
 from .._version import __version__
 from ..errors import OmnicupyError
 from ..jit import env
-from . import bench, cache, demo, info, precompile
+from . import bench, cache, demo, info, plan, precompile
 from .common import UsageError, first_line, log
 
-COMMANDS = (precompile, cache, info, demo, bench)
+COMMANDS = (precompile, cache, info, demo, plan, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,10 +57,13 @@ def _silence_stdout() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 here
-    if args.cache_dir:
+    name = f"omnicupy {args.command}"
+    if getattr(args, "cache_dir", None) is not None:
+        if not args.cache_dir.strip():
+            print(f"{name}: error: --cache-dir is empty (leave it out for the default cache)", file=sys.stderr)
+            return 2
         os.environ["OMNICUPY_CACHE_DIR"] = args.cache_dir  # worker processes inherit it
     env.configure_logging()
-    name = f"omnicupy {args.command}"
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit

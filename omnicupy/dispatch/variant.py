@@ -456,7 +456,7 @@ class Variant:
         values["smem_bytes"] = self.smem_bytes
         values["mask_expr"] = _expr_params(self.mask_expr, "mask")
         values["score_expr"] = _expr_params(self.score_expr, "score")
-        values["score_grad"] = self.score_grad
+        values["score_grad"] = expressions.check_grad(self.score_grad, self.score_expr)  # checked where rendered
         # Constants of both expressions, once each (expressions.merge_names rejects conflicts).
         values["constants"] = sorted({c for e in (self.mask_expr, self.score_expr) if e for c in e[1]})
         values["params_struct"] = params.struct_for(self.operation, self.family).cpp()

@@ -47,6 +47,7 @@ from .assign import contiguous, lpt, zigzag
 from . import routing
 from .routing import TokenCosts, Traffic
 from .work import BLOCK_WEIGHTS, MaskWork, mask_work, unit_runs, units_positions
+from .checks import check_plan_args
 
 STRATEGIES = ("contiguous", "zigzag", "lpt")
 SCHEDULES = ("auto", "ring", "allgather")
@@ -441,6 +442,7 @@ def plan(block_mask: BlockMask, world_size: int, *, strategy: Optional[str] = No
     given, the kv heads divide among the ranks and that moves fewer bytes (the all-to-alls do not
     overlap compute, the ring does: ``model.best_layout`` compares predicted times instead);
     False (default) never. Pure NumPy on a host copy of the metadata: no GPU needed."""
+    check_plan_args(block_mask, weights)
     world_size = check_int(world_size, "world_size", minimum=1)
     if strategy is not None and strategy not in STRATEGIES:
         raise ArgumentError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")

@@ -26,6 +26,7 @@ import numpy as np
 from .. import arrays
 from ..errors import ArgumentError, MaskError
 from .comm import Communicator
+from .checks import check_call
 from .errors import BackwardUnavailableError, CommunicationError, DistributedError
 from . import heads
 from .exchange import KVExchange
@@ -223,6 +224,7 @@ def attention(q: Any, k: Any, v: Any, plan: ShardPlan, comm: Communicator, *, sc
     (seconds; default ``comm.timeout_s``, 0: return without waiting): the host waits that long at
     most for the call's work, then aborts the communicator and raises CommunicationTimeoutError;
     any other failure after transfers are posted aborts it and raises CommunicationError."""
+    check_call(plan, comm, return_lse=return_lse)
     q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     prog = _prepare(plan, comm, q, k, v)
     host = arrays.is_numpy(q)
@@ -358,6 +360,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, pl
     With ``sinks`` (the forward's), returns ``(dq, dk, dv, dsinks)``: the LSE already holds the
     sinks, so dq/dk/dv need nothing more, and dsinks [Hq] is summed over the ranks (all-reduce).
     ``timeout`` and failures as in ``attention``."""
+    check_call(plan, comm, deterministic=deterministic)
     bwd = backward_function()
     dout, q, k, v, out, lse = (_array(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                                           (lse, "lse")))

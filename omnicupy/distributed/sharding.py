@@ -11,15 +11,9 @@ from typing import Any, Sequence
 
 from .. import arrays
 from ..errors import ArgumentError
+from .checks import check_shard_args, check_shards
 from .comm import Communicator
 from .planner import ShardPlan
-
-
-def _check_plan(plan: Any) -> ShardPlan:
-    """``plan`` is a ShardPlan (None or anything else: ArgumentError, not AttributeError)."""
-    if not isinstance(plan, ShardPlan):
-        raise ArgumentError(f"plan must come from omnicupy.distributed.plan(), got {type(plan).__name__}")
-    return plan
 
 
 def _axis(x: Any, axis: int) -> int:
@@ -37,7 +31,7 @@ def _take(x: Any, axis: int, start: int, length: int) -> Any:
 def shard(x: Any, plan: ShardPlan, rank: int, axis: int = 2) -> Any:
     """Rank's shard of ``x`` (the whole sequence along ``axis``): its positions in shard order, as a
     new contiguous array of the same module (NumPy or CuPy)."""
-    plan = _check_plan(plan)
+    check_shard_args(x, plan, rank=rank, axis=axis)
     xp = arrays.array_namespace(x)
     axis = _axis(x, axis)
     if x.shape[axis] != plan.seq_len:
@@ -53,7 +47,7 @@ def _check_shard(x: Any, plan: ShardPlan, rank: int, axis: int) -> None:
 
 def gather_shards(shards: Sequence[Any], plan: ShardPlan, axis: int = 2) -> Any:
     """The whole sequence from every rank's shard (``shards[r]`` is rank r's), on this process."""
-    plan = _check_plan(plan)
+    check_shards(shards, plan, axis)
     if len(shards) != plan.world_size:
         raise ArgumentError(f"need {plan.world_size} shards, got {len(shards)}")
     first = shards[0]
@@ -72,7 +66,7 @@ def gather_shards(shards: Sequence[Any], plan: ShardPlan, axis: int = 2) -> Any:
 def unshard(x: Any, plan: ShardPlan, comm: Communicator, axis: int = 2) -> Any:
     """The whole sequence on every rank from each rank's shard ``x`` (one NCCL all-gather on the
     current stream; shards are padded to the longest). CuPy in, CuPy out."""
-    plan = _check_plan(plan)
+    check_shard_args(x, plan, comm=comm, axis=axis, needs_comm=True)
     cp = arrays.cupy_module()
     x = arrays.to_cupy(x, "x")
     axis = _axis(x, axis)

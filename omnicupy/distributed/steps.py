@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from .. import BlockMask
-from ..errors import ArgumentError
+from ..errors import ArgumentError, InternalError
 from .planner import ShardPlan
 from .submask import HostMetadata, host_metadata, submask
 
@@ -181,7 +181,7 @@ def _compact(runs: tuple[Run, ...], start: int) -> int:
     for local, acc, n in runs:
         if local <= start < local + n:
             return acc + start - local
-    raise AssertionError(f"position {start} is in no run")  # the runs are built to cover it
+    raise InternalError(f"position {start} is in no run")  # the runs are built to cover it
 
 
 def _with_acc_runs(message: Message, compact: tuple[Run, ...]) -> Message:

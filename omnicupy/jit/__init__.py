@@ -82,6 +82,7 @@ def build(variant: KernelSpec, arch: str, cache: Optional[DiskCache] = None, *,
     Returns ``(entry, built)``; ``built`` is False on a cache hit. ``entry.data`` holds the verified
     cubin. When the cache cannot be written the entry lives in memory only (``entry.stored`` is False,
     one logged warning per process) unless ``must_store`` asks for a CacheError instead."""
+    env.check_all()  # OMNICUPY_KEEP_SOURCE=maybe is refused on a cache hit too
     cache = cache or default_cache()
     arch = variant.target_arch(normalize_arch(arch))
     source = render_source(variant)

@@ -356,7 +356,9 @@ class DiskCache:
         found = []
         for name in self._own_names():
             match = _OWN_FILE_RE.fullmatch(name)
-            if match and match.group("suffix") == META_SUFFIX:
+            # Only metadata omnicupy wrote: load() removes what it cannot use, and a user's notes.json stays.
+            if match and match.group("suffix") == META_SUFFIX and _looks_like_our_meta(self.dir / name,
+                                                                                        match.group("stem")):
                 entry = self.load(match.group("stem"))
                 if entry is not None:
                     found.append(dataclasses.replace(entry, data=None))
@@ -366,8 +368,9 @@ class DiskCache:
         """Remove entries (all, or those created more than ``older_than_seconds`` ago). Returns the count."""
         now = time.time()
         removed = 0
+        # Only stems whose metadata omnicupy wrote: a user's notes.json in the folder stays.
         stems = {m.group("stem") for m in map(_OWN_FILE_RE.fullmatch, self._own_names())
-                 if m and m.group("suffix") != SOURCE_SUFFIX}
+                 if m and m.group("suffix") == META_SUFFIX and _looks_like_our_meta(self.dir / m.group(0), m.group("stem"))}
         for stem in sorted(stems):
             if older_than_seconds is not None:
                 entry = self.load(stem)

@@ -1,10 +1,10 @@
 """NVRTC: CUDA source -> cubin for an explicit arch. Needs no GPU. Knows nothing of attention.
 
-NVRTC is reached through CuPy's bindings, ``cupy_backends.cuda.libs.nvrtc``: CuPy ships and loads
-the NVRTC library we compile with, and ``cupy.cuda.compiler`` cannot target an arch without asking
-a driver. That module is not a public CuPy interface, so it is checked before use: the functions we
-call must be there (checked against CuPy 13 and 14), otherwise a CompileError names the CuPy
-version; a CuPy major outside the checked range is logged once at DEBUG.
+NVRTC is reached through NVIDIA's supported Python interface, ``cuda.bindings.nvrtc`` (the
+cuda-bindings package, in both install extras), which loads the NVRTC library of the installed
+CUDA toolkit wheels. CuPy's own elementwise kernels (mask builds) still compile through CuPy; the
+cache key records the NVRTC version that compiled each entry (jit/__init__.py ``cache_stem``).
+Every NVRTC status other than success becomes a CompileError naming the call.
 """
 from __future__ import annotations
 
@@ -14,72 +14,67 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..errors import ArgumentError, CompileError
 
 _log = logging.getLogger(__name__)
 
-#: CuPy majors whose private NVRTC bindings were checked to offer what ``compile_cubin`` calls.
-CHECKED_CUPY_MAJORS = (13, 14)
-_NVRTC_FUNCTIONS = ("getVersion", "getSupportedArchs", "createProgram", "compileProgram", "getProgramLog",
-                    "getCUBIN", "destroyProgram", "NVRTCError")
 _INSTALL_HINT = "pip install 'omnicupy[cuda12]' (or 'omnicupy[cuda13]' on a CUDA 13 driver stack)"
-
-
-def _cupy_version() -> str:
-    try:
-        import cupy
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no usable CuPy"
-        raise CompileError(f"NVRTC is not available: CuPy does not import ({exc}); {_INSTALL_HINT}") from exc
-    return str(getattr(cupy, "__version__", "unknown"))
 
 
 @functools.lru_cache(maxsize=1)
 def _nvrtc() -> ModuleType:
-    version = _cupy_version()
     try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as exc:  # noqa: BLE001
-        raise CompileError(
-            f"CuPy {version} has no usable cupy_backends.cuda.libs.nvrtc, through which omnicupy reaches NVRTC "
-            f"(checked with CuPy {', '.join(map(str, CHECKED_CUPY_MAJORS))}): {exc}; {_INSTALL_HINT}") from exc
-    missing = [name for name in _NVRTC_FUNCTIONS if not hasattr(nvrtc, name)]
-    if missing:
-        raise CompileError(
-            f"CuPy {version}'s NVRTC bindings (cupy_backends.cuda.libs.nvrtc) lack {', '.join(missing)}: this CuPy "
-            f"changed a private interface omnicupy uses (checked with CuPy "
-            f"{', '.join(map(str, CHECKED_CUPY_MAJORS))}); install a CuPy of those versions")
-    major = re.match(r"\d+", version)
-    if major is None or int(major.group()) not in CHECKED_CUPY_MAJORS:
-        _log.debug("CuPy %s: NVRTC bindings not checked with this version (checked: %s)", version, CHECKED_CUPY_MAJORS)
+        from cuda.bindings import nvrtc
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no usable bindings"
+        raise CompileError(f"NVRTC is not available: cuda.bindings.nvrtc (the cuda-bindings package) does not "
+                           f"import ({exc}); {_INSTALL_HINT}") from exc
     return nvrtc
 
 
-def _call(what: str, function, *args):
-    """Call a binding; a changed signature or a missing NVRTC library becomes a CompileError."""
+def _call(what: str, function, *args) -> list:
+    """Call an NVRTC binding; returns what it returns after its status. A status other than success,
+    or a library that cannot be loaded, becomes a CompileError."""
+    nvrtc = _nvrtc()
     try:
-        return function(*args)
-    except (TypeError, AttributeError) as exc:
-        raise CompileError(f"CuPy {_cupy_version()}'s NVRTC binding {what} did not accept omnicupy's call ({exc}); "
-                           f"checked with CuPy {', '.join(map(str, CHECKED_CUPY_MAJORS))}") from exc
+        status, *rest = function(*args)
+    except CompileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the NVRTC library itself could not be loaded or called
+        raise CompileError(f"NVRTC call {what} failed ({exc}); {_INSTALL_HINT}") from exc
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise _NvrtcStatus(what, status)
+    return rest
+
+
+class _NvrtcStatus(CompileError):
+    """An NVRTC call returned a status other than success (``status``: the nvrtcResult)."""
+
+    def __init__(self, what: str, status: Any) -> None:
+        super().__init__(f"NVRTC call {what} returned {getattr(status, 'name', status)}")
+        self.status = status
+
+
+def _bytes_out(what: str, size_function, get_function, prog) -> bytes:
+    """A buffer NVRTC fills (log, cubin): ask its size, then let NVRTC write it."""
+    (size,) = _call(f"{what}Size", size_function, prog)
+    buffer = b" " * int(size)
+    _call(what, get_function, prog, buffer)
+    return buffer
 
 
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
-    nvrtc = _nvrtc()
-    try:
-        return tuple(_call("getVersion", nvrtc.getVersion))
-    except CompileError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the NVRTC library itself could not be loaded
-        raise CompileError(f"CuPy {_cupy_version()} could not load the NVRTC library ({exc}); {_INSTALL_HINT}") from exc
+    major, minor = _call("nvrtcVersion", _nvrtc().nvrtcVersion)
+    return int(major), int(minor)
 
 
 @functools.lru_cache(maxsize=1)
 def supported_archs() -> tuple[int, ...]:
     nvrtc_version()  # loads the library, with its error message
-    return tuple(int(a) for a in _call("getSupportedArchs", _nvrtc().getSupportedArchs))
+    (archs,) = _call("nvrtcGetSupportedArchs", _nvrtc().nvrtcGetSupportedArchs)
+    return tuple(int(a) for a in archs)
 
 
 def normalize_arch(arch: str | int) -> str:
@@ -127,6 +122,11 @@ def _named_report(log: str, name: str) -> tuple[Optional[int], Optional[int]]:
     return max(r for r, _ in reports.values()), max(s for _, s in reports.values())
 
 
+def _text(log: bytes) -> str:
+    """NVRTC's log: NUL-terminated bytes, as text."""
+    return log.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
 def compile_cubin(
     source: str,
     *,
@@ -150,17 +150,20 @@ def compile_cubin(
         *(f"-I{d}" for d in include_dirs),
         *extra_options,
     )
-    prog = _call("createProgram", nvrtc.createProgram, source, f"{name}.cu", [], [])
+    (prog,) = _call("nvrtcCreateProgram", nvrtc.nvrtcCreateProgram, source.encode(), f"{name}.cu".encode(), 0, [],
+                    [])
     try:
+        encoded = [o.encode() for o in options]
         try:
-            _call("compileProgram", nvrtc.compileProgram, prog, list(options))
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(prog)
-            raise CompileError(f"NVRTC failed to compile {name} for {arch} ({exc}).\noptions: {' '.join(options)}\n{log}") from None
-        log = _call("getProgramLog", nvrtc.getProgramLog, prog)
-        cubin = _call("getCUBIN", nvrtc.getCUBIN, prog)
+            _call("nvrtcCompileProgram", nvrtc.nvrtcCompileProgram, prog, len(encoded), encoded)
+        except _NvrtcStatus as exc:
+            log = _bytes_out("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog)
+            raise CompileError(f"NVRTC failed to compile {name} for {arch} ({exc.status.name}).\noptions: "
+                               f"{' '.join(options)}\n{_text(log)}") from None
+        log = _text(_bytes_out("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog))
+        cubin = _bytes_out("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
     finally:
-        nvrtc.destroyProgram(prog)
+        nvrtc.nvrtcDestroyProgram(prog)
     registers, spill_bytes = _named_report(log, name)
     return CompileResult(
         cubin=bytes(cubin),

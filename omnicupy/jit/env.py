@@ -125,6 +125,15 @@ VARIABLES: dict[str, Callable[[], object]] = {
 }
 
 
+def check_all() -> None:
+    """Raise ArgumentError for the first set ``OMNICUPY_*`` variable the package reads whose value it
+    refuses, so that a bad value is refused wherever kernels are built or loaded, not only where
+    that one variable happens to be read."""
+    for name, reader in VARIABLES.items():
+        if name in os.environ:
+            reader()
+
+
 def check_environment() -> list[tuple[str, str, Optional[str]]]:
     """``(name, value, problem or None)`` for every ``OMNICUPY_*`` variable that is set; a name the
     package does not read is a problem too (a typo would otherwise be silently ignored)."""

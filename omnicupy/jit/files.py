@@ -99,6 +99,8 @@ def read_private(path: Path, limit: int) -> bytes:
             raise UntrustedFile(f"{path} is not a regular file")
         if checks_ownership() and st.st_uid not in trusted_owners():
             raise UntrustedFile(f"{path} belongs to {_describe_owner(st.st_uid)}")
+        if checks_ownership() and st.st_mode & _WRITABLE_BY_OTHERS:  # another user could have replaced its bytes
+            raise UntrustedFile(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
         if st.st_size > limit:
             raise UntrustedFile(f"{path} is larger than {limit} bytes")
         data = handle.read(limit + 1)

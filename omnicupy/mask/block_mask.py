@@ -4,8 +4,11 @@ A BlockMask lists, for every (batch, head, q block), which kv blocks to visit an
 each needs: CAUSAL (element rule ``q_idx >= kv_idx``), FULL (none) or PARTIAL (a bit-packed
 element mask from a deduplicated pool). Blocks not listed are skipped without a load.
 
-A BlockMask owns what it validated: arrays passed in are copied (NumPy copies are read-only), so
-changing the caller's arrays afterwards cannot reach a kernel. Validation runs where the arrays
+A BlockMask owns what it validated and cannot change afterwards: arrays passed in are copied; host
+arrays are frozen on immutable memory (frozen.py: ``flags.writeable = True`` is refused, on them and
+on every array they view), device arrays stay private (reading a public one gives a copy), public
+attributes cannot be reassigned (MaskError), and the upload (``device_metadata``) checks that the
+validated arrays are still the ones held. Validation runs where the arrays
 live (NumPy or CuPy: one reduction and one small transfer back) and also yields a summary (block
 counts per type, the work of each q block) that inspection and the launch order read without
 touching the metadata again. Inspection (``repr``, ``sparsity``, ``to_string``) takes memory in
@@ -23,6 +26,8 @@ from .. import arrays
 from ..checks import check_int
 from ..errors import MaskError
 from . import display
+from .frozen import freeze
+from .metadata_checks import MaskSummary, causal_band, validate_metadata
 from .types import (KV_BLOCK_MULTIPLE, PARTIAL_WORD_BITS, Q_BLOCK_MULTIPLE, WORK_WEIGHTS, BlockType, MaskFeatures,
                     cdiv, max_length)
 
@@ -47,22 +52,6 @@ class DeviceMetadata:
     partial_block_masks: Any  # [P, QBS, KBS/32] uint32 or None
     row_stride_batch: int
     row_stride_head: int
-
-
-@dataclass(frozen=True)
-class MaskSummary:
-    """What inspection and scheduling need, over the mask's whole (broadcast) shape.
-
-    ``counts[t]``: how many (batch, head, q block, kv block) pairs have BlockType t (MASKED counts
-    the pairs not visited, listed or not). ``q_block_work``: ``[nQB]`` int64, per q block the sum
-    over batch, heads and listed blocks of ``WORK_WEIGHTS[type]``."""
-
-    counts: tuple[int, int, int, int]
-    q_block_work: np.ndarray
-
-    @property
-    def visited(self) -> int:
-        return sum(self.counts[1:])
 
 
 @dataclass(frozen=True)
@@ -129,7 +118,7 @@ def _as_index_array(x: Any, name: str, ndim: int, *, unsigned: bool = False):
 
 
 def owned_copy(a: Any):
-    """A copy of ``a`` that nobody else holds (NumPy: read-only). Dims broadcast by a zero stride
+    """A copy of ``a`` that nobody else holds (NumPy: frozen, see frozen.py). Dims broadcast by a zero stride
     stay broadcast: their one stored row is copied, not the broadcast."""
     if a is None:
         return None
@@ -137,8 +126,17 @@ def owned_copy(a: Any):
     stored = tuple(slice(0, 1) if n > 1 and s == 0 else slice(None) for n, s in zip(a.shape, a.strides))
     compact = xp.array(a[stored], copy=True)
     if xp is np:
-        compact.flags.writeable = False
+        compact = freeze(compact)
     return compact if compact.shape == a.shape else xp.broadcast_to(compact, a.shape)
+
+
+def _pointer(a: Any) -> int:
+    return int(a.data.ptr) if arrays.is_cupy(a) else int(a.__array_interface__["data"][0])
+
+
+#: Attributes fixed once a BlockMask is validated (besides every public name).
+_SEALED = frozenset({"_kv_num_blocks", "_kv_indices", "_block_mask_types", "_partial_block_mask_indices",
+                     "_partial_block_masks", "_runs", "_fingerprint", "_sealed", "_device_cache"})
 
 
 class BlockMask:
@@ -184,8 +182,9 @@ class BlockMask:
         trusted = _features is not None and _summary is not None  # made by a builder, for this mask only
         if not trusted:
             given = [owned_copy(a) for a in given]
-        (self.kv_num_blocks, self.kv_indices, self.block_mask_types, self.partial_block_mask_indices,
-         self.partial_block_masks) = given
+        given = [freeze(a) for a in given]  # builders' arrays too: read-only is not enough (frozen.py)
+        (self._kv_num_blocks, self._kv_indices, self._block_mask_types, self._partial_block_mask_indices,
+         self._partial_block_masks) = given
         self.mask_mod = mask_mod
         self._runs = _runs if trusted else None
         self._device_cache: dict[int, DeviceMetadata] = {}
@@ -203,9 +202,57 @@ class BlockMask:
             self.features, self.summary = validate_metadata(*given, q_len=self.q_len, kv_len=self.kv_len,
                                                             q_block_size=self.q_block_size,
                                                             kv_block_size=self.kv_block_size)
-        work = np.array(self.summary.q_block_work, dtype=np.int64)
-        work.flags.writeable = False
-        self.q_block_work = work
+        self.q_block_work = freeze(np.array(self.summary.q_block_work, dtype=np.int64))
+        self._fingerprint = self._metadata_fingerprint()
+        self._sealed = True
+
+    # -------------------------------------------------------- immutability
+    # Validation vouches for the arrays it read: they are frozen (NumPy) or private (CuPy: each
+    # read of a public array gives a copy), the public attributes cannot be reassigned, and the
+    # upload (device_metadata) checks that the validated arrays are still the ones held.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed") and (name in _SEALED or not name.startswith("_")):
+            raise MaskError(f"BlockMask.{name} cannot be changed after validation; build a new BlockMask")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise MaskError(f"BlockMask.{name} cannot be deleted")
+
+    def _metadata_fingerprint(self) -> tuple:
+        return tuple(None if a is None else (id(a), _pointer(a), tuple(a.shape), tuple(a.strides))
+                     for a in self._metadata())
+
+    def _metadata(self) -> tuple:
+        return (self._kv_num_blocks, self._kv_indices, self._block_mask_types, self._partial_block_mask_indices,
+                self._partial_block_masks)
+
+    def _public(self, a: Any) -> Any:
+        return a.copy() if a is not None and arrays.is_cupy(a) else a
+
+    @property
+    def kv_num_blocks(self) -> Any:
+        """[Bm, Hm, nQB] int32 (NumPy: frozen; CuPy: a copy on each read)."""
+        return self._public(self._kv_num_blocks)
+
+    @property
+    def kv_indices(self) -> Any:
+        """[Bm, Hm, nQB, maxB] int32 (NumPy: frozen; CuPy: a copy on each read)."""
+        return self._public(self._kv_indices)
+
+    @property
+    def block_mask_types(self) -> Any:
+        """[Bm, Hm, nQB, maxB] int32 BlockType values (NumPy: frozen; CuPy: a copy on each read)."""
+        return self._public(self._block_mask_types)
+
+    @property
+    def partial_block_mask_indices(self) -> Any:
+        """[Bm, Hm, nQB, maxB] int32 or None (NumPy: frozen; CuPy: a copy on each read)."""
+        return self._public(self._partial_block_mask_indices)
+
+    @property
+    def partial_block_masks(self) -> Any:
+        """[P, q_block_size, kv_block_size / 32] uint32 or None (NumPy: frozen; CuPy: a copy on each read)."""
+        return self._public(self._partial_block_masks)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -218,12 +265,12 @@ class BlockMask:
 
     @property
     def max_blocks(self) -> int:
-        return int(self.kv_indices.shape[3])
+        return int(self._kv_indices.shape[3])
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """(Bm, Hm, q_len, kv_len), like flex's ``BlockMask.shape``."""
-        bm, hm = self.kv_num_blocks.shape[:2]
+        bm, hm = self._kv_num_blocks.shape[:2]
         return int(bm), int(hm), self.q_len, self.kv_len
 
     @property
@@ -232,12 +279,12 @@ class BlockMask:
 
     @property
     def on_device(self) -> bool:
-        return arrays.is_cupy(self.kv_indices)
+        return arrays.is_cupy(self._kv_indices)
 
     # ------------------------------------------------------------- validation
     def _check_shapes(self) -> None:
-        nb, idx, types = self.kv_num_blocks, self.kv_indices, self.block_mask_types
-        pidx, pool = self.partial_block_mask_indices, self.partial_block_masks
+        nb, idx, types = self._kv_num_blocks, self._kv_indices, self._block_mask_types
+        pidx, pool = self._partial_block_mask_indices, self._partial_block_masks
         bm, hm, nqb = (int(s) for s in nb.shape)
         if nqb != self.num_q_blocks:
             raise MaskError(
@@ -270,14 +317,16 @@ class BlockMask:
     # ----------------------------------------------------------------- device
     def device_metadata(self) -> DeviceMetadata:
         """Contiguous device copies of the metadata, cached per CUDA device."""
+        if self._metadata_fingerprint() != self._fingerprint:
+            raise MaskError("this BlockMask's metadata was replaced after validation; build a new BlockMask")
         cp = arrays.cupy_module()
         dev = cp.cuda.runtime.getDevice()
         cached = self._device_cache.get(dev)
         if cached is None:
             # A batch/head dim that every metadata array broadcasts by stride 0 (np.broadcast_to,
             # expand) is stored once: the kernel broadcasts size-1 dims itself.
-            per_bh = [a for a in (self.kv_num_blocks, self.kv_indices, self.block_mask_types,
-                                  self.partial_block_mask_indices) if a is not None]
+            per_bh = [a for a in (self._kv_num_blocks, self._kv_indices, self._block_mask_types,
+                                  self._partial_block_mask_indices) if a is not None]
             keep = tuple(slice(0, 1) if all(a.strides[d] == 0 for a in per_bh) else slice(None) for d in (0, 1))
 
             # Host metadata goes up without synchronizing (arrays.upload), also while a CUDA graph
@@ -292,14 +341,14 @@ class BlockMask:
                     return arrays.upload(np.ascontiguousarray(a, dtype=dtype))
                 return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
 
-            nb = dev_array(self.kv_num_blocks)
+            nb = dev_array(self._kv_num_blocks)
             stored_b, stored_h, nqb = (int(n) for n in nb.shape)
             cached = DeviceMetadata(
                 nb,
-                dev_array(self.kv_indices),
-                dev_array(self.block_mask_types),
-                dev_array(self.partial_block_mask_indices) if self.features.partial else None,
-                dev_array(self.partial_block_masks, np.uint32, per_batch_head=False) if self.features.partial else None,
+                dev_array(self._kv_indices),
+                dev_array(self._block_mask_types),
+                dev_array(self._partial_block_mask_indices) if self.features.partial else None,
+                dev_array(self._partial_block_masks, np.uint32, per_batch_head=False) if self.features.partial else None,
                 row_stride_batch=stored_h * nqb if stored_b > 1 else 0,
                 row_stride_head=nqb if stored_h > 1 else 0,
             )
@@ -317,9 +366,9 @@ class BlockMask:
         if self._num_pairs() > MAX_GRID_ENTRIES:
             raise MaskError(f"block_grid() would hold {self._num_pairs()} entries (more than {MAX_GRID_ENTRIES}); "
                             "use sparsity(), to_string() or the metadata rows instead")
-        nb = arrays.to_numpy(self.kv_num_blocks)
-        idx = arrays.to_numpy(self.kv_indices)
-        types = arrays.to_numpy(self.block_mask_types)
+        nb = arrays.to_numpy(self._kv_num_blocks)
+        idx = arrays.to_numpy(self._kv_indices)
+        types = arrays.to_numpy(self._block_mask_types)
         bm, hm, nqb, maxb = idx.shape
         grid = np.zeros((bm, hm, nqb, self.num_kv_blocks), dtype=np.int8)
         active = np.arange(maxb)[None, None, None, :] < nb[..., None]
@@ -336,11 +385,11 @@ class BlockMask:
         if elements > MAX_DENSE_ELEMENTS:
             raise MaskError(f"to_dense() would hold {elements} elements (more than {MAX_DENSE_ELEMENTS}); it is for "
                             "small masks")
-        nb = arrays.to_numpy(self.kv_num_blocks)
-        idx = arrays.to_numpy(self.kv_indices)
-        types = arrays.to_numpy(self.block_mask_types)
-        pidx = None if self.partial_block_mask_indices is None else arrays.to_numpy(self.partial_block_mask_indices)
-        pool = None if self.partial_block_masks is None else arrays.to_numpy(self.partial_block_masks)
+        nb = arrays.to_numpy(self._kv_num_blocks)
+        idx = arrays.to_numpy(self._kv_indices)
+        types = arrays.to_numpy(self._block_mask_types)
+        pidx = None if self._partial_block_mask_indices is None else arrays.to_numpy(self._partial_block_mask_indices)
+        pool = None if self._partial_block_masks is None else arrays.to_numpy(self._partial_block_masks)
         nqb, maxb = idx.shape[2:]
         dense = np.zeros((bm, hm, nqb * qbs, self.num_kv_blocks * kbs), dtype=bool)
         q_local = np.arange(qbs)[:, None]
@@ -371,14 +420,15 @@ class BlockMask:
         wider or taller than ``width`` blocks, one character per square of blocks (see
         ``display.picture``). Reads one (batch, head)'s rows a chunk at a time."""
         width = check_int(width, "width", minimum=1, error=MaskError)
-        b, h = min(batch, self.shape[0] - 1), min(head, self.shape[1] - 1)
+        b = check_int(batch, "batch", minimum=0, maximum=self.shape[0] - 1, error=MaskError)  # the mask's own dims
+        h = check_int(head, "head", minimum=0, maximum=self.shape[1] - 1, error=MaskError)
         runs = None if self._runs is None else self._runs.of(b, h)
-        return display.picture(self.kv_num_blocks[b, h], self.kv_indices[b, h], self.block_mask_types[b, h],
+        return display.picture(self._kv_num_blocks[b, h], self._kv_indices[b, h], self._block_mask_types[b, h],
                                self.num_kv_blocks, width, runs=runs)
 
     def __repr__(self) -> str:
         counts = dict(zip((t.name.lower() for t in BlockType), self.summary.counts))
-        pool = 0 if self.partial_block_masks is None else int(self.partial_block_masks.shape[0])
+        pool = 0 if self._partial_block_masks is None else int(self._partial_block_masks.shape[0])
         where = "cupy" if self.on_device else "numpy"
         return (
             f"BlockMask(shape={self.shape}, block_size={self.block_size}, "
@@ -415,83 +465,6 @@ class BlockMask:
         return cls(nb, indices, types, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
                    kv_block_size=kv_block_size, partial_block_mask_indices=pidx,
                    partial_block_masks=partial_block_masks, mask_mod=mask_mod)
-
-
-def causal_band(q_block: Any, kv_block: Any, q_len: int, kv_len: int, q_block_size: int, kv_block_size: int, xp=np):
-    """Where a CAUSAL block is valid (element-wise over the broadcast block indices): the causal rule
-    ``q_idx >= kv_idx`` cuts it, within real positions (q < q_len, kv < kv_len): some real element
-    lies at or below the diagonal (the first kv position <= the last q) and some above it (the
-    first q position < the last kv). A block wholly below is FULL, wholly above is MASKED."""
-    q_lo = xp.asarray(q_block).astype(np.int64) * q_block_size
-    kv_lo = xp.asarray(kv_block).astype(np.int64) * kv_block_size
-    q_hi = xp.minimum(q_lo + q_block_size, q_len) - 1
-    kv_hi = xp.minimum(kv_lo + kv_block_size, kv_len) - 1
-    return (kv_lo <= q_hi) & (q_lo < kv_hi)
-
-
-def validate_metadata(nb, idx, types, pidx, pool, *, q_len: int, kv_len: int, q_block_size: int,
-                      kv_block_size: int) -> tuple[MaskFeatures, MaskSummary]:
-    """Value checks on the metadata, run where the arrays live (one reduction on the device, one
-    transfer of a handful of flags, the block counts and the q blocks' work back). Returns which
-    block types occur and the summary (``MaskSummary``)."""
-    xp = arrays.array_namespace(idx)
-    num_kv_blocks = cdiv(kv_len, kv_block_size)
-    # Plain ints: CuPy's ufuncs do not accept IntEnum operands.
-    causal, partial = int(BlockType.CAUSAL), int(BlockType.PARTIAL)
-    nqb, maxb = int(idx.shape[2]), int(idx.shape[3])
-    slots = xp.arange(maxb, dtype=np.int32)
-    active = slots[None, None, None, :] < nb[..., None]
-    listed = xp.where(active, types, 0)  # entries past a row's count may hold anything
-    is_partial = listed == partial
-    # Duplicates: give inactive slots distinct out-of-range values; rows that already increase
-    # strictly (what the builders emit) have none, and only otherwise is each row sorted.
-    keyed = xp.where(active, idx, num_kv_blocks + slots[None, None, None, :])
-    if maxb > 1 and not bool(xp.all(xp.diff(keyed, axis=-1) > 0)):
-        dup = xp.any(xp.diff(xp.sort(keyed, axis=-1), axis=-1) == 0)
-    else:
-        dup = xp.zeros((), dtype=bool)
-    npool = 0 if pool is None else int(pool.shape[0])
-    q_block = xp.arange(nqb, dtype=np.int64)[:, None]
-    off_band = (listed == causal) & ~causal_band(q_block, idx, q_len, kv_len, q_block_size, kv_block_size, xp)
-    checks = [
-        xp.any(nb < 0),
-        xp.any(nb > maxb),
-        xp.any(active & ((idx < 0) | (idx >= num_kv_blocks))),
-        xp.any((listed < 0) | (listed > partial)),
-        dup,
-        xp.any(off_band),
-        xp.any(listed == causal),
-        xp.any(is_partial),
-        xp.any(is_partial & ((pidx < 0) | (pidx >= npool))) if pidx is not None else xp.zeros((), dtype=bool),
-    ]
-    counts = [xp.count_nonzero(listed == int(t)) for t in (BlockType.CAUSAL, BlockType.FULL, BlockType.PARTIAL)]
-    weights = xp.asarray(np.array(WORK_WEIGHTS, dtype=np.int64))
-    work = weights[xp.clip(listed, 0, partial)].sum(axis=(0, 1, 3))
-    found = arrays.to_numpy(xp.concatenate([xp.stack([xp.asarray(c) for c in checks + counts]).astype(np.int64),
-                                            work.astype(np.int64)]))
-    nb_neg, nb_big, idx_bad, type_bad, dup, off_band, has_causal, has_partial, pidx_bad = (bool(f) for f in found[:9])
-    if nb_neg:
-        raise MaskError("kv_num_blocks has negative entries")
-    if nb_big:
-        raise MaskError(f"kv_num_blocks has entries larger than kv_indices' last dim ({maxb})")
-    if idx_bad:
-        raise MaskError(f"kv_indices has active entries outside [0, {num_kv_blocks}) (the number of kv blocks)")
-    if type_bad:
-        raise MaskError("block_mask_types has active entries outside {0 MASKED, 1 CAUSAL, 2 FULL, 3 PARTIAL}")
-    if dup:
-        raise MaskError("kv_indices lists the same kv block twice in one row; each block may appear once")
-    if off_band:
-        raise MaskError("block_mask_types has CAUSAL blocks that the diagonal q_idx == kv_idx does not cut: a CAUSAL "
-                        "block must hold real positions both at or below the diagonal and above it (a block wholly "
-                        "below it is FULL, one wholly above it is not listed, or MASKED)")
-    if has_partial and pidx is None:
-        raise MaskError("block_mask_types has PARTIAL blocks but no partial_block_mask_indices/partial_block_masks")
-    if pidx_bad:
-        raise MaskError(f"partial_block_mask_indices has PARTIAL entries outside [0, {npool}) (the pool size)")
-    visited = [int(c) for c in found[9:12]]
-    total = int(np.prod(idx.shape[:3])) * num_kv_blocks
-    summary = MaskSummary(counts=(total - sum(visited), *visited), q_block_work=found[12:])
-    return MaskFeatures(causal=has_causal, partial=has_partial), summary
 
 
 __all__ = ["BlockMask", "BlockType", "MaskFeatures", "MaskSummary", "RowRuns", "DeviceMetadata", "cdiv", "validate_metadata",

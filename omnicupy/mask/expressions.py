@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import arrays
 from ..errors import ArgumentError, ExpressionError
-from . import expr_syntax
+from . import expr_syntax, index_bounds
 from .expr_syntax import CAST_TYPES, CPP_KEYWORDS, FUNCTIONS, INDEX_NAMES, SCORE_NAME
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -123,29 +123,59 @@ def _lookup_array(name: str, value: Any):
     return copy
 
 
-def _array_needs(syntax: expr_syntax.Syntax, names, extents: Mapping[str, Extent],
-                 lengths: Mapping[str, int]) -> tuple:
-    """((array, index names it needs covered, fixed element count it needs), ...) from its subscripts:
-    ``a[q_idx]`` needs q_len; a computed index needs its declared extent, else every axis."""
-    needs = []
-    for name in names:
-        axes, fixed = set(), 0
+def _array_needs(text: str, kind: str, syntax: expr_syntax.Syntax, consts: tuple, decls: list, values: list,
+                 extents: Mapping[str, Extent]) -> tuple:
+    """((array, index names whose sizes it must cover, fixed element count it needs), ...): each
+    subscript's range comes from index_bounds (the one rule for indices); a subscript that may be
+    negative, or that is bounded by neither one size nor a constant the array covers, is refused."""
+    const_values = {n: (float(lit.rstrip("f")) if t == "float" else int(lit == "true") if t == "bool" else int(lit))
+                    for n, t, lit in consts}
+    bounds = {d[0]: (int(a.min()), int(a.max())) if d[1] == "int" else None for d, a in zip(decls, values)}
+    lengths = {d[0]: int(a.size) for d, a in zip(decls, values)}
+    found: dict = {}
+    for name, rng in index_bounds.subscript_ranges(text, constants=const_values, arrays=bounds,
+                                                   score=kind == "score"):
+        axes, fixed = found.setdefault(name, (set(), [0]))
+        where = f"CUDA expression {text!r}: the index of {name!r}"
+        if not rng.is_int:
+            raise ExpressionError(f"{where} is not an integer ({rng.why})")
+        low = rng.low()
+        if low is None or rng.high() is None:
+            raise ExpressionError(f"{where} has no bound the rules can derive ({rng.why or 'unbounded'}): it could "
+                                  f"read outside {name!r}; write it with constants and clamps (min/max)")
+        if low < 0:
+            raise ExpressionError(f"{where} may be negative (it is {rng.describe()}); clamp it with max(..., 0) "
+                                  "or index differently")
         declared = extents.get(name)
-        if not syntax.index_names(name):
-            continue  # never read: needs nothing
-        for sub in syntax.index_names(name):
-            if sub is not None:
-                axes.add(sub)
-            elif isinstance(declared, str):
-                axes.add(declared)
-            elif declared is not None:
-                fixed = max(fixed, declared)
-            else:
-                axes.update(INDEX_NAMES)
-        if fixed > lengths[name]:
-            raise ExpressionError(f"array {name!r} has {lengths[name]} elements but its declared extent is {fixed}")
-        needs.append((name, tuple(sorted(axes)), fixed))
-    return tuple(needs)
+        limits = [f.const for f in rng.highs if f.constant]
+        below = [a for a in INDEX_NAMES if rng.below(a)]
+        plain = next((a for a in INDEX_NAMES if rng == index_bounds.index_range(a)), None)
+        if plain is not None:  # name[q_idx] (or name[(q_idx)]): below its own axis, whatever is declared
+            axes.add(plain)
+            continue
+        if isinstance(declared, str) and not rng.below(declared):
+            raise ExpressionError(f"{where} may reach or pass its declared extent {declared} (it is "
+                                      f"{rng.describe()}); clamp it with min(..., N - 1)")
+        if isinstance(declared, str):
+            axes.add(declared)
+        elif declared is not None:
+            if not limits or min(limits) > declared - 1:
+                raise ExpressionError(f"{where} may reach or pass its declared extent {declared} (it is "
+                                      f"{rng.describe()}); clamp it with min(..., {declared - 1})")
+            fixed[0] = max(fixed[0], declared)
+        elif limits and min(limits) + 1 <= lengths[name]:
+            fixed[0] = max(fixed[0], int(min(limits)) + 1)
+        elif below:
+            axes.add(below[0])
+        elif limits:
+            raise ExpressionError(f"{where} reads up to {int(min(limits))} but {name!r} has {lengths[name]} elements")
+        else:
+            raise ExpressionError(f"{where} is below no size and no constant (it is {rng.describe()}): it could "
+                                  f"read past the end of {name!r}; clamp it with min(..., N - 1) for a constant N")
+    for name, (axes, fixed) in found.items():
+        if fixed[0] > lengths[name]:
+            raise ExpressionError(f"array {name!r} has {lengths[name]} elements but its declared extent is {fixed[0]}")
+    return tuple((name, tuple(sorted(axes)), fixed[0]) for name, (axes, fixed) in sorted(found.items()))
 
 
 def _check_extents(extents: Optional[Mapping[str, Any]], array_names) -> dict:
@@ -205,7 +235,7 @@ class CudaExpr:
         declared = _check_extents(extents, array_names)
         text = text.strip()
         syntax = expr_syntax.check(text, constants=[c[0] for c in consts], arrays=array_names, score=kind == "score")
-        needs = _array_needs(syntax, array_names, declared, {n: int(a.size) for n, a in zip(array_names, values)})
+        needs = _array_needs(text, kind, syntax, consts, decls, values, declared)
         uses_tanh = any(t.text == "omni::tanh_fast" for t in syntax.tokens)
         return cls(text, consts, tuple(decls), tuple(values), needs, uses_tanh)
 
@@ -277,6 +307,16 @@ def check_key(key: tuple, *, kind: str = "score") -> tuple:
     expr_syntax.check(text, constants=[c[0] for c in constants], arrays=[d[0] for d in array_decls],
                       score=kind == "score")
     return key
+
+
+def check_grad(grad: Optional[str], score_key: Optional[tuple]) -> Optional[str]:
+    """A score modifier's derivative text, re-checked where it is rendered: the same grammar, over the
+    score expression's constants and arrays (``check_key``), whoever built the CudaExpr it came from."""
+    if grad is None:
+        return None
+    if score_key is None:
+        raise ExpressionError("a score derivative without its score expression")
+    return check_key((grad, score_key[1], score_key[2]), kind="score")[0]
 
 
 def merge_names(*exprs: Optional[CudaExpr]) -> None:

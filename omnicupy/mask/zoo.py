@@ -23,16 +23,33 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from .. import arrays
+from ..checks import check_int
 from ..errors import MaskError
-from .mask_mod import (EVALUATE, LookupTable, MaskMod, array_module_of, as_bool_result, check_mask_int,
+from .mask_mod import (EVALUATE, LookupTable, MaskMod, array_module_of, as_bool_result,
                        check_mask_mod)
 from .pieces import Pieces, intersect
+
+#: Largest argument a built-in mask takes: the kernels hold positions and these numbers in int32.
+#: Expressions are written as differences of positions (``kv_idx - q_idx <= right``, never
+#: ``q_idx + right``), which stay within int32 for every length the kernels take.
+MAX_MASK_ARG = 2**31 - 1
+#: Longest sequence a mask built from lengths may describe (ops/inputs.py MAX_SEQ_LEN).
+MAX_TOTAL_LENGTH = 2**31 - 2**16
+
+
+def _arg(value: Any, name: str, minimum: int) -> int:
+    return check_int(value, name, minimum=minimum, maximum=MAX_MASK_ARG, error=MaskError)
+
+
+def _total(lengths: Sequence[int], what: str) -> None:
+    if sum(lengths) > MAX_TOTAL_LENGTH:
+        raise MaskError(f"{what} add up to {sum(lengths)} positions, more than the kernels take ({MAX_TOTAL_LENGTH})")
 
 # ------------------------------------------------------------------------------------- band masks
 def causal(offset: int = 0) -> MaskMod:
     """``q_idx + offset >= kv_idx``: offset 0 is top-left aligned (flex-attention's convention);
     ``offset = kv_len - q_len`` aligns the last query with the last key (bottom-right)."""
-    offset = check_mask_int(offset, "offset", -2**31)
+    offset = _arg(offset, "offset", -MAX_MASK_ARG - 1)
     if offset == 0:
         def causal(b, h, q_idx, kv_idx):
             """q_idx >= kv_idx"""
@@ -42,17 +59,17 @@ def causal(offset: int = 0) -> MaskMod:
                        pointwise=True, pieces=_band(0, 0, 1))
 
     def causal_offset(b, h, q_idx, kv_idx):
-        """q_idx + offset >= kv_idx"""
-        return q_idx + offset >= kv_idx
+        """kv_idx - q_idx <= offset (q_idx + offset >= kv_idx, without overflow)"""
+        return kv_idx - q_idx <= offset
 
     return MaskMod(causal_offset, f"causal_offset_{offset}", bounds=lambda b, h, q: (0, q + offset + 1),
-                   cuda_expr=f"q_idx + ({offset}) >= kv_idx", pointwise=True, pieces=_band(0, 0, offset + 1))
+                   cuda_expr=f"kv_idx - q_idx <= ({offset})", pointwise=True, pieces=_band(0, 0, offset + 1))
 
 
 def sliding_window(window: int) -> MaskMod:
     """Causal sliding window: ``0 <= q_idx - kv_idx < window`` (each query sees ``window`` keys,
     itself included)."""
-    window = check_mask_int(window, "window", 1)
+    window = _arg(window, "window", 1)
 
     def sliding_window(b, h, q_idx, kv_idx):
         """(q_idx >= kv_idx) & (q_idx - kv_idx < window)"""
@@ -65,21 +82,21 @@ def sliding_window(window: int) -> MaskMod:
 
 def local_window(left: int, right: int) -> MaskMod:
     """Bidirectional window: ``q_idx - left <= kv_idx <= q_idx + right``."""
-    left, right = check_mask_int(left, "left", 0), check_mask_int(right, "right", 0)
+    left, right = _arg(left, "left", 0), _arg(right, "right", 0)
 
     def local_window(b, h, q_idx, kv_idx):
-        """(kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)"""
-        return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+        """(q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)"""
+        return (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right)
 
     return MaskMod(local_window, f"local_window_{left}_{right}", bounds=lambda b, h, q: (q - left, q + right + 1),
-                   cuda_expr=f"kv_idx >= q_idx - {left} && kv_idx <= q_idx + {right}", pointwise=True,
+                   cuda_expr=f"q_idx - kv_idx <= {left} && kv_idx - q_idx <= {right}", pointwise=True,
                    pieces=_band(1, -left, right + 1))
 
 
 def prefix_lm(prefix_len: int) -> MaskMod:
     """Prefix LM: the first ``prefix_len`` keys are seen by every query, the rest causally:
     ``(kv_idx < prefix_len) | (q_idx >= kv_idx)``."""
-    prefix_len = check_mask_int(prefix_len, "prefix_len", 0)
+    prefix_len = _arg(prefix_len, "prefix_len", 0)
 
     def prefix_lm(b, h, q_idx, kv_idx):
         """(kv_idx < prefix_len) | (q_idx >= kv_idx)"""
@@ -96,8 +113,10 @@ def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
     """Causal dilated window (Longformer's): ``window`` keys spaced ``dilation`` apart,
     ``d = q_idx - kv_idx``, ``0 <= d < window * dilation`` and ``d % dilation == 0``.
     ``dilation=1`` is ``sliding_window(window)``."""
-    window, dilation = check_mask_int(window, "window", 1), check_mask_int(dilation, "dilation", 1)
+    window, dilation = _arg(window, "window", 1), _arg(dilation, "dilation", 1)
     span = window * dilation
+    if span > MAX_MASK_ARG:
+        raise MaskError(f"window * dilation = {span} is more than the kernels represent ({MAX_MASK_ARG})")
 
     def dilated_sliding_window(b, h, q_idx, kv_idx):
         """d = q_idx - kv_idx; (d >= 0) & (d < window * dilation) & (d % dilation == 0)"""
@@ -120,7 +139,8 @@ def _band(start_slope: int, start: int, end: int) -> Pieces:
 # ---------------------------------------------------------------------------------- segment masks
 def doc_ids_from_lengths(lengths: Iterable[int]) -> np.ndarray:
     """Document ids ``[0]*l0 + [1]*l1 + ...`` (int32) for packed sequences of the given lengths."""
-    lengths = [check_mask_int(n, "lengths[i]", 1) for n in lengths]
+    lengths = [_arg(n, "lengths[i]", 1) for n in lengths]
+    _total(lengths, "lengths")
     if not lengths:
         raise MaskError("lengths must not be empty")
     return np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
@@ -199,9 +219,10 @@ def interleaved(segments: Sequence[tuple[str, int]]) -> MaskMod:
         if not (isinstance(seg, (tuple, list)) and len(seg) == 2 and seg[0] in ("text", "image")):
             raise MaskError(f"segments[{i}] must be ('text', n) or ('image', n), got {seg!r}")
         kinds.append(seg[0] == "image")
-        sizes.append(check_mask_int(seg[1], f"segments[{i}] length", 1))
+        sizes.append(_arg(seg[1], f"segments[{i}] length", 1))
     if not sizes:
         raise MaskError("segments must not be empty")
+    _total(sizes, "segments")
     ends = np.cumsum(sizes)
     pos = np.arange(int(ends[-1]))
     limit = LookupTable(np.where(np.repeat(kinds, sizes), np.repeat(ends, sizes), pos + 1))

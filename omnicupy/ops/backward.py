@@ -30,12 +30,13 @@ from ..dispatch.arch import current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
 from ..dispatch.variant import BWD_BOUND_ROWS, BWD_ROW_WARPS
-from ..errors import ArgumentError, CompileError
+from ..errors import ArgumentError, CompileError, VariantError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
 from . import recall, tma
 from .backward_index import backward_index, dq_ranks
 from .forward import Extras, _bias_fields, _element_strides, resolve_mask, steady_mask
+from .arg_checks import check_flags, check_outputs, require_gpu_for, steady_state_possible
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
@@ -58,7 +59,7 @@ def _check_score_grad(score_mod: Any) -> Optional[str]:
                             "d(new score)/d(score), e.g. omnicupy.cuda_score(expr, ..., grad='...')")
     if (grad.constants, grad.array_decls) != (score_mod.cuda.constants, score_mod.cuda.array_decls):
         raise ArgumentError("score_mod: its derivative must use the same constants and arrays as the expression")
-    return grad.text
+    return expressions.check_grad(grad.text, score_mod.cuda.key)  # a hand-made CudaExpr is checked too
 
 
 def _extras(inp: Inputs, bm: BlockMask, bias: Any, score_mod: Any, fuse_mask: bool) -> BackwardExtras:
@@ -126,7 +127,7 @@ class DqSum(Enum):
         if not unbounded_grad:
             return cls.FIXED
         if family != "sync":  # only the mma.sync kernel sums in order; make_plan never gives another
-            raise ValueError(f"an ordered dQ sum needs the mma.sync family, not {family!r}")
+            raise VariantError(f"an ordered dQ sum needs the mma.sync family, not {family!r}")
         return cls.ORDERED
 
 
@@ -415,7 +416,7 @@ def attention_backward(
     the mask's CUDA expression instead of its bits. NumPy inputs give NumPy outputs; anything else gives CuPy arrays on the current device and stream.
     """
     key = None
-    cp = arrays.cupy_module()
+    cp = steady_state_possible()
     if cp is not None:
         key, mask, views = _steady_key(dout, q, k, v, out, lse, (dq, dk, dv), block_mask, causal, scale, bias,
                                        score_mod, deterministic, fuse_mask, cp)
@@ -426,6 +427,7 @@ def attention_backward(
     host_result = arrays.is_numpy(q)
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
+    check_flags(fuse_mask=fuse_mask)
     extras = _extras(inp, bm, bias, score_mod, fuse_mask)
     expressions.merge_names(extras.mask_expr, extras.score_expr)
     dout = check_out(dout, inp, "dout")
@@ -439,7 +441,8 @@ def attention_backward(
     user = {"dq": _check_grad_buffer(dq, q_shape, inp.q.dtype, "dq"),
             "dk": _check_grad_buffer(dk, kv_shape, inp.q.dtype, "dk"),
             "dv": _check_grad_buffer(dv, kv_shape, inp.q.dtype, "dv")}
-    require_gpu()  # every check above runs without a GPU for NumPy inputs
+    check_outputs(user, {"dout": dout, "q": inp.q, "k": inp.k, "v": inp.v, "out": out, "lse": lse})
+    require_gpu_for("omnicupy.attention_backward")  # every check above runs without a GPU for NumPy inputs
     cp = arrays.cupy_module()
     inp = on_device(inp)
     dout_d, out_d = to_device(dout, "dout"), to_device(out, "out")

@@ -21,6 +21,7 @@ from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError, OmnicupyError
 from ..mask import BlockMask, expressions
 from . import decode, recall, tma
+from .arg_checks import check_decode_args, check_flags, steady_state_possible
 from .inputs import (Bias, Inputs, aligned, check_bias, check_bool, check_device, check_expressions, check_lse_buffer,
                      check_mask_matches, check_out, check_qkv, check_scale, check_score_mod, check_stages, device_out,
                      on_device, require_gpu)
@@ -171,6 +172,7 @@ def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     """The checks attention() and plan() share: inputs, mask, pipeline, per-score extras."""
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
+    check_flags(fuse_mask=fuse_mask)
     check_stages(stages)
     extras = Extras(
         bias=check_bias(bias, inp),
@@ -283,7 +285,7 @@ def attention(
     with no allowed key, whose output is 0).
     """
     key = None
-    cp = arrays.cupy_module()
+    cp = steady_state_possible()
     if cp is not None:
         # The steady state (ops/recall.py): no GPU query here; a recipe exists only after a call ran.
         key, mask, views, out_view, lens_view = _steady_key(q, k, v, out, kv_lens, block_mask, causal, scale, bias,
@@ -298,6 +300,7 @@ def attention(
     scale = check_scale(scale, inp.head_dim)
     return_lse = check_bool(return_lse, "return_lse")
     out = check_out(out, inp, inputs={"bias": extras.bias.array if extras.bias else None})
+    check_decode_args(kv_lens, num_splits, inp.batch, inp.kv_len)
     require_gpu()  # every check above runs without a GPU for NumPy inputs
     inp = on_device(inp)
     if key is not None and any(x.data.ptr != vw[0] for x, vw in zip((inp.q, inp.k, inp.v), views)):

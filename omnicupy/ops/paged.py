@@ -22,6 +22,7 @@ from ..checks import check_int
 from ..dispatch.variant import check_head_dim
 from ..errors import ArgumentError, KVCacheError
 from . import decode, recall
+from .arg_checks import check_flags, check_outputs, require_gpu_for, steady_state_possible
 from .inputs import aligned, as_array, check_device, check_layout, check_scale, check_score_mod, require_gpu, to_device
 
 LAYOUTS = ("NHD", "HND")
@@ -117,7 +118,7 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
     dtypes, options) skips the checks and the plan: it writes its pointers into the first call's
     launch and never synchronizes (a decode loop can be captured in a CUDA graph)."""
     key = views = None
-    cp = arrays.cupy_module()
+    cp = steady_state_possible()
     if validate is False and cp is not None and type(page_table) is cp.ndarray and type(kv_lens) is cp.ndarray:
         key, views = _steady_key((q, k_pages, v_pages, page_table, kv_lens), out, (
             causal, window, scale, id(score_mod), return_lse, layout, num_splits, out is None), cp)
@@ -150,9 +151,11 @@ def paged_attention(q: Any, k_pages: Any, v_pages: Any, page_table: Any, kv_lens
         if tuple(out.shape) != out_shape or np.dtype(out.dtype) != np.dtype(qa.dtype) or out.strides[3] != out.itemsize:
             raise ArgumentError(f"out must have shape {out_shape}, dtype {qa.dtype} and a contiguous last dim, "
                                 f"got {tuple(out.shape)} {out.dtype}")
+    check_flags(causal=causal, validate=validate, return_lse=return_lse)
+    check_outputs({"out": out}, {"q": qa, "k_pages": ka, "v_pages": va, "page_table": table, "kv_lens": lens})
     if arrays.is_numpy(table) and arrays.is_numpy(lens):
         check_cache_metadata(table, lens, page_size, num_pages)
-    require_gpu()  # every check above runs without a GPU for NumPy inputs
+    require_gpu_for("omnicupy.paged_attention")  # every check above runs without a GPU for NumPy inputs
 
     cp = arrays.cupy_module()
     qd = to_device(qa, "q")

@@ -23,6 +23,7 @@ from .. import arrays
 from ..errors import ArgumentError
 from ..mask import BlockMask, zoo
 from ..mask.mask_mod import LookupTable, MaskMod
+from .arg_checks import check_outputs
 from .inputs import as_array, dtype_name
 
 #: BlockMasks kept per (cu_seqlens_q, cu_seqlens_k, causal, block sizes).
@@ -121,6 +122,7 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
         if tuple(out.shape) != tuple(qa.shape) or np.dtype(out.dtype) != np.dtype(qa.dtype):
             raise ArgumentError(f"out must have shape {tuple(qa.shape)} and dtype {qa.dtype}, "
                                 f"got {tuple(out.shape)} {out.dtype}")
+        check_outputs({"out": out}, {"q": qa, "k": ka, "v": va})
     if total_q == 0 or total_k == 0:
         return _empty_result(qa, cu_seqlens_q, cu_seqlens_k, total_q, total_k, return_lse, out)
     bm = varlen_mask(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal)
