@@ -22,7 +22,7 @@ import numpy as np
 from .. import arrays
 from ..checks import check_int
 from ..errors import MaskError
-from . import display
+from . import display, registry
 from .types import (KV_BLOCK_MULTIPLE, PARTIAL_WORD_BITS, Q_BLOCK_MULTIPLE, WORK_WEIGHTS, BlockType, MaskFeatures,
                     cdiv, max_length)
 
@@ -206,6 +206,9 @@ class BlockMask:
         work = np.array(self.summary.q_block_work, dtype=np.int64)
         work.flags.writeable = False
         self.q_block_work = work
+        #: Read-only: this mask's process-unique serial (mask/registry.py), the plain string by which
+        #: a compiled graph (omnicupy.torch) names it.
+        self.serial: str = registry.enroll(self)
 
     # ------------------------------------------------------------------ shape
     @property
