@@ -197,7 +197,7 @@ def test_dynamo_hands_the_key_function_plain_values_only(monkeypatch, how, masks
     which hid that): only plain values may reach it, however the mask reaches the compiled code,
     and each new mask or modifier must give its own key."""
     seen, keys = [], []
-    inner = ot._key_of_serials.__wrapped__ if hasattr(ot._key_of_serials, "__wrapped__") else ot._key_of_serials
+    inner = ot._key_of_serials
 
     def recording(*args):
         seen.append(args)
