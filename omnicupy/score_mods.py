@@ -18,6 +18,7 @@ import numpy as np
 from . import arrays
 from .checks import check_positive_float
 from .errors import ArgumentError
+from .mask import registry
 from .mask.expressions import CudaExpr, _elementwise
 
 #: Most heads an ALiBi modifier is made for (the kernels put heads on grid.y, at most 65535).
@@ -49,6 +50,8 @@ class ScoreMod:
         self.numpy_grad = numpy_grad
         self.grad_at_most_one = grad_at_most_one
         self.name = self.__name__ = name or f"cuda_score_{expr.digest}"
+        #: Read-only: the process-unique serial (mask/registry.py) by which a compiled graph names it.
+        self.serial: str = registry.enroll(self)
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name}: {self.cuda.text!r})"

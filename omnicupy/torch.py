@@ -14,7 +14,9 @@ The calls are ``torch.ops.omnicupy.attention_fwd / attention_bwd / decode / page
 torch's allocator on torch's current stream). The mask, score modifier and other non-tensor options
 reach the operators as an integer key of a registry (adapters/specs.py); the wrappers here compute
 the key with ``torch.compiler.assume_constant_result``, so dynamo bakes it into the graph as a
-constant and guards on the Python objects that produced it. Needs torch >= 2.4 (custom_op,
+constant. That function takes plain values only (torch 2.11's dynamo refuses any other object
+there): a BlockMask or ScoreMod goes in as its ``serial`` (omnicupy/mask/registry.py), a string
+attribute that dynamo guards on, so another mask recompiles and never reuses a stale key. Needs torch >= 2.4 (custom_op,
 register_fake, register_autograd); tested with 2.11 (GPU) and 2.13 (CPU).
 
 Only this module (and omnicupy.torch_autograd, its old name) imports torch; ``import omnicupy`` never does.
@@ -33,7 +35,8 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test 
 
 from .adapters import specs
 from .adapters import torch_ops  # noqa: F401 - registers torch.ops.omnicupy.*
-from .mask import BlockMask
+from .mask import BlockMask, registry
+from .score_mods import ScoreMod
 
 #: The oldest torch with torch.library.custom_op / register_fake / register_autograd.
 MIN_TORCH = (2, 4)
@@ -51,10 +54,29 @@ if _version(torch.__version__) < MIN_TORCH:  # pragma: no cover
 
 
 @torch.compiler.assume_constant_result
-def _spec_key(block_mask: Any, causal: Any, scale: Any, score_mod: Any, deterministic: Any, fuse_mask: Any,
-              num_splits: Any, layout: Any, window: Any, validate: Any) -> int:
+def _key_of_serials(mask_serial: Optional[str], causal: Any, scale: Any, mod_serial: Optional[str], deterministic: Any,
+                    fuse_mask: Any, num_splits: Any, layout: Any, window: Any, validate: Any) -> int:
+    """The spec key, from plain values only: dynamo (torch 2.11) turns every argument of an
+    ``assume_constant_result`` function into a Python constant, which a BlockMask or a ScoreMod
+    is not; their serials (mask/registry.py) are strings, which it guards on."""
+    block_mask = None if mask_serial is None else registry.find(mask_serial, BlockMask)
+    score_mod = None if mod_serial is None else registry.find(mod_serial, ScoreMod)
     return specs.register(specs.CallSpec(block_mask, causal, scale, score_mod, deterministic, fuse_mask, num_splits,
                                          layout, window, validate))
+
+
+def _spec_key(block_mask: Any, causal: Any, scale: Any, score_mod: Any, deterministic: Any, fuse_mask: Any,
+              num_splits: Any, layout: Any, window: Any, validate: Any) -> int:
+    """The key of these options (adapters/specs.py). Traced by dynamo: it reads the objects'
+    ``serial`` attributes only, and refuses other objects before the key is made."""
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise ArgumentError(f"block_mask must be an omnicupy.BlockMask, got {type(block_mask).__name__}")
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise ArgumentError("score_mod must come from omnicupy.score_mods (alibi, softcap, cuda_score), "
+                            f"got {type(score_mod).__name__}")
+    return _key_of_serials(None if block_mask is None else block_mask.serial, causal, scale,
+                           None if score_mod is None else score_mod.serial, deterministic, fuse_mask, num_splits,
+                           layout, window, validate)
 
 
 def _check_tensor(x: Any, name: str, ndim: int = 4) -> None:

@@ -5,6 +5,7 @@ errors exactly as the CUDA handlers do)."""
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import os
 
@@ -160,3 +161,33 @@ def test_handler_reaches_the_api_function_table():
     for name in ("stream", "allocate"):
         assert isinstance(_seen[name], xla_ffi.FfiError) and "failed: " in str(_seen[name]), _seen[name]
         assert len(str(_seen[name]).split("failed: ", 1)[1]) > 0  # XLA's own message came through
+
+
+# ------------------------------------------------------------- XLA's allocator: 16-byte alignment at most
+@pytest.mark.parametrize("raw", [0x10000, 0x10010, 0x100F0, 0x10100 - 16], ids=["256-aligned", "16", "240", "last-16"])
+@pytest.mark.parametrize("size", [1, 256, 4097], ids=["1B", "256B", "4097B"])
+def test_blocks_from_xla_are_realigned_inside_what_was_allocated(raw, size):
+    """XLA_FFI_DeviceMemory_Allocate refuses alignments above 16 (jaxlib 0.11's CUDA plugin:
+    "Unsupported alignment: 256"): omnicupy asks for 16, over-allocates and rounds the pointer up
+    to jax_exec.ALIGNMENT, and gives XLA back exactly the block it got."""
+    asked, freed = [], []
+
+    def allocate(nbytes):
+        asked.append(nbytes)
+        return raw
+
+    ptr, owner = jax_exec.aligned_alloc(allocate, lambda p, n: freed.append((p, n)))(size)
+    assert ptr % jax_exec.ALIGNMENT == 0 and raw <= ptr and ptr + size <= raw + asked[0]
+    assert xla_ffi.MAX_ALIGNMENT == 16 and jax_exec.ALIGNMENT % 128 == 0  # TMA tensor maps: 128 B
+    assert inspect.signature(xla_ffi.Frame.allocate).parameters["alignment"].default <= xla_ffi.MAX_ALIGNMENT
+    assert not freed
+    del owner
+    assert freed == [(raw, asked[0])]
+
+
+def test_a_misaligned_block_from_xla_is_given_back_and_reported():
+    freed = []
+    alloc = jax_exec.aligned_alloc(lambda n: 0x10008, lambda p, n: freed.append(p))
+    with pytest.raises(xla_ffi.FfiError, match="not 16-byte aligned"):
+        alloc(64)
+    assert freed == [0x10008]

@@ -179,3 +179,70 @@ def test_torch_autograd_is_a_deprecated_alias():
         alias = importlib.import_module("omnicupy.torch_autograd")
     assert alias.attention is ot.attention
     assert any(issubclass(w.category, DeprecationWarning) and "omnicupy.torch" in str(w.message) for w in caught)
+
+
+PLAIN = (type(None), bool, int, float, str)
+SOFTCAP, ALIBI = score_mods.softcap(30.0), score_mods.alibi(2)
+
+
+@pytest.mark.parametrize("how", ["closure", "argument"])
+@pytest.mark.parametrize("masks_, mods", [
+    pytest.param([WINDOW, OTHER, WINDOW], [None] * 3, id="masks"),
+    pytest.param([WINDOW] * 3, [SOFTCAP, ALIBI, SOFTCAP], id="score-mods"),
+    pytest.param([None] * 3, [None, SOFTCAP, None], id="causal-and-mods"),
+])
+def test_dynamo_hands_the_key_function_plain_values_only(monkeypatch, how, masks_, mods):
+    """torch 2.11's dynamo turns every argument of an assume_constant_result function into a Python
+    constant and fails on a BlockMask or ScoreMod (later versions pass them through by identity,
+    which hid that): only plain values may reach it, however the mask reaches the compiled code,
+    and each new mask or modifier must give its own key."""
+    seen, keys = [], []
+    inner = ot._key_of_serials
+
+    def recording(*args):
+        seen.append(args)
+        return inner(*args)
+
+    monkeypatch.setattr(ot, "_key_of_serials", torch.compiler.assume_constant_result(recording))
+
+    def backend(gm, _example):
+        keys.extend(n.args[-1] for n in gm.graph.nodes if "omnicupy" in str(n.target))
+        return gm.forward
+
+    q = meta(1, 2, N, 64)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, bm, mod: ot.attention(q, q, q, bm, causal=bm is None, score_mod=mod),
+                      backend=backend, fullgraph=True)
+    for bm, mod in zip(masks_, mods):
+        if how == "closure":
+            g = torch.compile(lambda q: ot.attention(q, q, q, bm, causal=bm is None, score_mod=mod),
+                              backend=backend, fullgraph=True)
+            g(q)
+        else:
+            f(q, bm, mod)
+    assert seen and all(type(a) in PLAIN for args in seen for a in args), seen
+    want = [specs.register(specs.CallSpec(bm, bm is None, None, mod)) for bm, mod in zip(masks_, mods)]
+    assert [specs.lookup(k).block_mask for k in keys] == [specs.lookup(k).block_mask for k in want[:len(keys)]]
+    assert set(keys) == set(want)  # every distinct mask/modifier compiled with its own key, none stale
+
+
+def test_serials_are_unique_strings_and_the_registry_is_weak():
+    import gc
+
+    from omnicupy.mask import registry
+
+    bm = BlockMask.from_mask_mod(masks.sliding_window(16), None, None, N, N)
+    serial = bm.serial
+    assert type(serial) is str and serial not in (WINDOW.serial, OTHER.serial, SOFTCAP.serial)
+    assert registry.find(serial, BlockMask) is bm
+    with pytest.raises(omnicupy.ArgumentError, match="no live ScoreMod"):
+        registry.find(serial, score_mods.ScoreMod)
+    del bm
+    gc.collect()
+    with pytest.raises(omnicupy.ArgumentError, match="no live BlockMask"):
+        registry.find(serial, BlockMask)
+
+
+def test_foreign_score_mod_is_refused_before_the_operator():
+    with pytest.raises(omnicupy.ArgumentError, match="score_mod must come from omnicupy.score_mods"):
+        ot.attention(Q, K, K, WINDOW, score_mod=lambda s, b, h, q, k: s)

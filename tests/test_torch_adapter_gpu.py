@@ -218,6 +218,29 @@ def test_compiled_step_equals_eager(mode):
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+WINDOW_MASK = BlockMask.from_mask_mod(masks.sliding_window(100), None, None, 512, 512)
+
+
+def test_compiled_step_follows_the_mask_and_modifier_it_is_given():
+    """Masks and score modifiers passed as arguments of one compiled function (fullgraph): each
+    call gives the eager result for the objects of that call (dynamo guards on their serials and
+    recompiles), never a stale key, including after switching back."""
+    seed = new_seed()
+    torch._dynamo.reset()
+    soft = omnicupy.score_mods.softcap(20.0)
+
+    def loss(q, k, v, bm, mod):
+        return (attention(q, k, v, bm, score_mod=mod).float() ** 2).mean()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    q, k, v = _inputs(seed)
+    for bm, mod in ((DOC_MASK, None), (WINDOW_MASK, None), (DOC_MASK, soft), (DOC_MASK, None)):
+        want = _step(lambda q, k, v, bm: loss(q, k, v, bm, mod), q, k, v, bm)
+        got = _step(lambda q, k, v, bm: compiled(q, k, v, bm, mod), q, k, v, bm)
+        for name, a, b in zip(("loss", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=f"{name}, {bm.serial}, {mod} (seed {seed})")
+
+
 def test_operators_allocate_from_torch_only():
     """After a signature's first call (which fills omnicupy's caches from CuPy's pool), a forward
     and backward take no memory from CuPy's allocator: outputs, workspaces and omnicupy's own LSE

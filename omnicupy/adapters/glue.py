@@ -59,7 +59,7 @@ def on_stream(device_id: int, stream_ptr: int) -> Iterator[None]:
         yield
 
 
-class _Block:
+class Block:
     """Owner of one allocation lent to CuPy: gives it back when CuPy drops its last view."""
 
     __slots__ = ("ptr", "size", "free")
@@ -89,7 +89,7 @@ def allocating_with(alloc: Callable[[int], tuple[int, Any]], device_id: int,
     def allocator(size: int):
         size = max(int(size), 1)
         ptr, owner = alloc(size)
-        block = _Block(ptr, size, free) if owner is None else owner
+        block = Block(ptr, size, free) if owner is None else owner
         return lend(ptr, size, block, device_id)
 
     with cp.cuda.using_allocator(allocator):
@@ -104,4 +104,4 @@ def device_array(ptr: int, shape: tuple[int, ...], dtype: Any, device_id: int, o
     return cp.ndarray(shape, dtype, lend(ptr, max(nbytes, 1), owner, device_id))
 
 
-__all__ = ["allocating_with", "device_array", "external_stream", "lend", "on_stream"]
+__all__ = ["Block", "allocating_with", "device_array", "external_stream", "lend", "on_stream"]

@@ -4,8 +4,9 @@ on XLA's buffers and stream, with XLA's allocator.
 Each execution wraps the argument and result buffers as zero-copy CuPy views (q/k/v in the call's
 layout: ``BNHD`` buffers are viewed as ``[B, H, N, D]`` by a transpose, no copy; leading axes a
 ``vmap`` added are folded into the batch), makes XLA's stream CuPy's current one and routes
-CuPy's allocations to ``XLA_FFI_DeviceMemory_Allocate``; omnicupy then writes ``out`` and
-``dq/dk/dv`` in place. The forward's LSE is copied into its result buffer (``attention()`` takes no
+CuPy's allocations to ``XLA_FFI_DeviceMemory_Allocate`` (which aligns to 16 bytes at most: each
+block is over-allocated and its pointer aligned here to ALIGNMENT); omnicupy then writes ``out``
+and ``dq/dk/dv`` in place. The forward's LSE is copied into its result buffer (``attention()`` takes no
 LSE buffer; ``[B, H, N]`` fp32, a few µs). Allocations omnicupy drops during the call go back to XLA
 at once (stream order keeps that safe: XLA runs its work on the same stream); the few it keeps in
 its caches on a first call (a mask's launch order, the decode's counters) stay allocated for the
@@ -16,7 +17,7 @@ Knows the handlers' argument order and omnicupy's public calls; nothing of the F
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ..errors import ArgumentError
 from ..ops.backward import attention_backward
 from ..ops.forward import attention as _attention
 from . import glue, specs
-from .xla_ffi import BufferView, Frame
+from .xla_ffi import MAX_ALIGNMENT, BufferView, FfiError, Frame
 
 #: The custom-call targets (jax.ffi.register_ffi_target names, platform CUDA).
 FORWARD_TARGET = "omnicupy_attention_fwd"
@@ -42,13 +43,31 @@ def _device(frame: Frame, first: BufferView) -> int:
     return int(cp.cuda.runtime.pointerGetAttributes(first.ptr).device)
 
 
+#: The alignment of every block omnicupy gets from XLA: 16 bytes for vector loads and stores, 128
+#: for TMA tensor maps, 256 for the workspaces' sub-blocks (ops/backward.py, ops/recall.py), as
+#: CuPy's pool would give. XLA's FFI allocator guarantees only MAX_ALIGNMENT.
+ALIGNMENT = 256
+
+
+def aligned_alloc(allocate: Callable[[int], int], free: Callable[[int, int], None]) -> Callable[[int], tuple[int, Any]]:
+    """``alloc(size) -> (pointer, owner)`` for glue.allocating_with on top of XLA's allocator
+    (``allocate(nbytes) -> pointer``, MAX_ALIGNMENT-aligned): each block is over-allocated by
+    ``ALIGNMENT - MAX_ALIGNMENT`` bytes and its pointer rounded up to ALIGNMENT; the owner gives
+    the whole block back (``free(raw pointer, raw size)``) when CuPy drops it."""
+    def alloc(size: int) -> tuple[int, Any]:
+        raw_size = size + ALIGNMENT - MAX_ALIGNMENT
+        raw = allocate(raw_size)
+        if raw % MAX_ALIGNMENT:
+            free(raw, raw_size)
+            raise FfiError(f"XLA's allocator returned {raw:#x}, not {MAX_ALIGNMENT}-byte aligned")
+        return -(-raw // ALIGNMENT) * ALIGNMENT, glue.Block(raw, raw_size, free)
+    return alloc
+
+
 @contextlib.contextmanager
 def xla_context(frame: Frame, device: int) -> Iterator[None]:
     """XLA's stream is CuPy's current one and CuPy allocates from XLA, inside the block."""
     live = [True]
-
-    def alloc(size: int):
-        return frame.allocate(size), None
 
     def free(ptr: int, size: int) -> None:
         if live[0]:  # after the call, XLA's context is gone: what omnicupy cached stays allocated
@@ -56,7 +75,7 @@ def xla_context(frame: Frame, device: int) -> Iterator[None]:
 
     stream = last_stream[0] = frame.stream()
     try:
-        with glue.on_stream(device, stream), glue.allocating_with(alloc, device, free):
+        with glue.on_stream(device, stream), glue.allocating_with(aligned_alloc(frame.allocate, free), device):
             yield
     finally:
         live[0] = False
@@ -116,4 +135,5 @@ def backward(frame: Frame) -> None:
         del dout, q, k, v, out, lse, dq, dk, dv
 
 
-__all__ = ["BACKWARD_TARGET", "FORWARD_TARGET", "backward", "bhnd", "forward", "rows", "xla_context"]
+__all__ = ["ALIGNMENT", "BACKWARD_TARGET", "FORWARD_TARGET", "aligned_alloc", "backward", "bhnd", "forward", "rows",
+           "xla_context"]

@@ -10,9 +10,10 @@ Why a registry and not torch's opaque objects: those live in a private module
 (``torch._library.opaque_object``) whose API changed between torch 2.10, 2.11 and 2.13, and XLA has
 no equivalent; one mechanism serves both frameworks with public APIs only.
 
-Equal options get the same key (options are compared by the identity of the mask and the score
-modifier, by value otherwise), so re-tracing a model does not grow the registry; the registry
-keeps what it holds alive for the life of the process (a compiled graph may replay any time).
+Equal options get the same key (the mask and the score modifier are compared by identity, i.e.
+their serials of omnicupy/mask/registry.py; the rest by value), so re-tracing a model does not
+grow the registry; the registry keeps what it holds alive for the life of the process (a compiled
+graph may replay any time).
 A mask's metadata is immutable (a BlockMask owns copies of its arrays), so the key alone names it.
 
 Knows omnicupy's call options; nothing of torch, JAX or kernels.
@@ -44,11 +45,19 @@ class CallSpec:
     validate: bool = False
 
     def identity(self) -> tuple:
-        """What makes two specs the same: mask and score modifier by identity, the rest by value
-        and type (True and 1 are equal keys in a dict, not equal options)."""
+        """What makes two specs the same: mask and score modifier by identity (their serial,
+        mask/registry.py; a foreign object's id, which the registry's reference keeps its own), the
+        rest by value and type (True and 1 are equal keys in a dict, not equal options)."""
         values = (self.causal, self.scale, self.deterministic, self.fuse_mask, self.num_splits, self.layout,
                   self.window, self.validate)
-        return (id(self.block_mask), id(self.score_mod), values, tuple(type(x) for x in values))
+        return (_name(self.block_mask), _name(self.score_mod), values, tuple(type(x) for x in values))
+
+
+def _name(obj: Any) -> Any:
+    if obj is None:
+        return None
+    serial = getattr(obj, "serial", None)
+    return ("serial", serial) if type(serial) is str else ("id", id(obj))
 
 
 _lock = threading.Lock()

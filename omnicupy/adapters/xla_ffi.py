@@ -33,6 +33,9 @@ ATTR_SCALAR, ATTR_STRING = 3, 4
 ERROR_INTERNAL = 13
 #: The FFI API version this handler is written against (XLA accepts older minors of its major).
 API_MAJOR, API_MINOR = 0, 1
+#: The largest alignment ``XLA_FFI_DeviceMemory_Allocate`` accepts (a power of two up to it;
+#: anything larger fails with "Unsupported alignment", as 256 did with jaxlib 0.11's CUDA plugin).
+MAX_ALIGNMENT = 16
 #: XLA_FFI_DataType -> the ctypes type of a scalar attribute omnicupy reads (S32, S64, F32, F64).
 SCALARS: dict[int, Any] = {4: c_int32, 5: c_int64, 11: ctypes.c_float, 12: ctypes.c_double}
 #: XLA_FFI_DataType -> NumPy dtype name.
@@ -206,7 +209,8 @@ class Frame:
         self._check(self._api.DeviceOrdinal_Get(ctypes.byref(args)), "DeviceOrdinal_Get")
         return int(args.device_ordinal)
 
-    def allocate(self, size: int, alignment: int = 256) -> int:
+    def allocate(self, size: int, alignment: int = MAX_ALIGNMENT) -> int:
+        """``size`` bytes of XLA's device memory, aligned to ``alignment`` (at most MAX_ALIGNMENT)."""
         args = AllocateArgs(ctypes.sizeof(AllocateArgs), None, self._raw.ctx, size, alignment, None)
         self._check(self._api.DeviceMemory_Allocate(ctypes.byref(args)), f"DeviceMemory_Allocate({size} bytes)")
         return int(args.data)

@@ -25,7 +25,7 @@ import numpy as np
 from .. import arrays
 from ..checks import check_int
 from ..errors import MaskError
-from . import display
+from . import display, registry
 from .frozen import freeze
 from .metadata_checks import MaskSummary, causal_band, validate_metadata
 from .types import (KV_BLOCK_MULTIPLE, PARTIAL_WORD_BITS, Q_BLOCK_MULTIPLE, WORK_WEIGHTS, BlockType, MaskFeatures,
@@ -203,6 +203,9 @@ class BlockMask:
                                                             q_block_size=self.q_block_size,
                                                             kv_block_size=self.kv_block_size)
         self.q_block_work = freeze(np.array(self.summary.q_block_work, dtype=np.int64))
+        #: This mask's process-unique serial (mask/registry.py), the plain string by which a compiled
+        #: graph (omnicupy.torch) names it; sealed with the rest.
+        self.serial: str = registry.enroll(self)
         self._fingerprint = self._metadata_fingerprint()
         self._sealed = True
 
