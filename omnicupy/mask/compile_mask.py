@@ -209,7 +209,8 @@ def compile_mask(mask_mod: Callable) -> CompiledMask:
         reads = " || ".join(f"g_{a}[{a}] != 0" for a in sorted(checked.guards))
         text = f"({text} || (false && ({reads})))"
     try:
-        expr = CudaExpr.make(text, None, given, extents=extents, kind="mask")
+        expr = CudaExpr.make(text, None, given, extents=extents, kind="mask",
+                             max_length=None if checked.max_length >= compile_check.MAX_LENGTH else checked.max_length)
     except OmnicupyError as exc:
         raise MaskError(f"{what}: its translation {text!r} is refused: {exc}") from exc
     tree = template.tree

@@ -124,7 +124,7 @@ def _lookup_array(name: str, value: Any):
 
 
 def _array_needs(text: str, kind: str, syntax: expr_syntax.Syntax, consts: tuple, decls: list, values: list,
-                 extents: Mapping[str, Extent]) -> tuple:
+                 extents: Mapping[str, Extent], max_length: Optional[int] = None) -> tuple:
     """((array, index names whose sizes it must cover, fixed element count it needs), ...): each
     subscript's range comes from index_bounds (the one rule for indices); a subscript that may be
     negative, or that is bounded by neither one size nor a constant the array covers, is refused."""
@@ -132,6 +132,20 @@ def _array_needs(text: str, kind: str, syntax: expr_syntax.Syntax, consts: tuple
                     for n, t, lit in consts}
     bounds = {d[0]: (int(a.min()), int(a.max())) if d[1] == "int" else None for d, a in zip(decls, values)}
     lengths = {d[0]: int(a.size) for d, a in zip(decls, values)}
+    # An array read at a bare index name bounds that axis for the whole expression (a call with a
+    # larger axis is refused by the length check), so every other subscript is analysed with it.
+    axis_limits: dict = {} if max_length is None else {"q_idx": max_length, "kv_idx": max_length}
+    for name, rng in index_bounds.subscript_ranges(text, constants=const_values, arrays=bounds,
+                                                   score=kind == "score"):
+        for axis in INDEX_NAMES:
+            if rng == index_bounds.index_range(axis):
+                axis_limits[axis] = min(axis_limits.get(axis, lengths[name]), lengths[name])
+    with index_bounds.size_limits(axis_limits):
+        return _array_needs_within(text, kind, const_values, bounds, lengths, extents)
+
+
+def _array_needs_within(text: str, kind: str, const_values: dict, bounds: dict, lengths: dict,
+                        extents: Mapping[str, Extent]) -> tuple:
     found: dict = {}
     for name, rng in index_bounds.subscript_ranges(text, constants=const_values, arrays=bounds,
                                                    score=kind == "score"):
@@ -159,7 +173,8 @@ def _array_needs(text: str, kind: str, syntax: expr_syntax.Syntax, consts: tuple
         if isinstance(declared, str):
             axes.add(declared)
         elif declared is not None:
-            if not limits or min(limits) > declared - 1:
+            high = rng.high()  # constant clamps, and sizes bounded by the axis limits
+            if high is None or high > declared - 1:
                 raise ExpressionError(f"{where} may reach or pass its declared extent {declared} (it is "
                                       f"{rng.describe()}); clamp it with min(..., {declared - 1})")
             fixed[0] = max(fixed[0], declared)
@@ -167,6 +182,8 @@ def _array_needs(text: str, kind: str, syntax: expr_syntax.Syntax, consts: tuple
             fixed[0] = max(fixed[0], int(min(limits)) + 1)
         elif below:
             axes.add(below[0])
+        elif rng.high() is not None and rng.high() + 1 <= lengths[name]:  # bounded through the axis limits
+            fixed[0] = max(fixed[0], int(rng.high()) + 1)
         elif limits:
             raise ExpressionError(f"{where} reads up to {int(min(limits))} but {name!r} has {lengths[name]} elements")
         else:
@@ -207,12 +224,16 @@ class CudaExpr:
     array_needs: tuple = ()
     #: the expression calls omni::tanh_fast (the elementwise kernels then define it)
     uses_tanh_fast: bool = False
+    #: the longest q and kv length a call may have (its indices were proven in range, and its int
+    #: arithmetic free of wraps, only up to there); None: the kernels' own limit
+    max_length: Optional[int] = None
 
     @classmethod
     def make(cls, text: str, constants: Optional[Mapping[str, Any]] = None,
              arrays_: Optional[Mapping[str, Any]] = None, *, extents: Optional[Mapping[str, Extent]] = None,
-             kind: str = "score") -> "CudaExpr":
-        """Check and build an expression (``kind``: "mask" has no ``score``; "score" has it)."""
+             kind: str = "score", max_length: Optional[int] = None) -> "CudaExpr":
+        """Check and build an expression (``kind``: "mask" has no ``score``; "score" has it).
+        ``max_length``: calls are refused past that q/kv length, and the indices are proven for it."""
         if kind not in KINDS:
             raise ArgumentError(f"kind must be one of {KINDS}, got {kind!r}")
         if not isinstance(text, str) or not text.strip():
@@ -235,9 +256,11 @@ class CudaExpr:
         declared = _check_extents(extents, array_names)
         text = text.strip()
         syntax = expr_syntax.check(text, constants=[c[0] for c in consts], arrays=array_names, score=kind == "score")
-        needs = _array_needs(text, kind, syntax, consts, decls, values, declared)
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+            raise ExpressionError(f"max_length must be a positive int, got {max_length!r}")
+        needs = _array_needs(text, kind, syntax, consts, decls, values, declared, max_length)
         uses_tanh = any(t.text == "omni::tanh_fast" for t in syntax.tokens)
-        return cls(text, consts, tuple(decls), tuple(values), needs, uses_tanh)
+        return cls(text, consts, tuple(decls), tuple(values), needs, uses_tanh, max_length)
 
     @property
     def key(self) -> tuple:
@@ -256,6 +279,10 @@ class CudaExpr:
         """Raise ExpressionError when an array is shorter than the indices the expression reads it at."""
         lengths = {d[0]: int(a.size) for d, a in zip(self.array_decls, self.arrays)}
         sizes = {"b": batch, "h": heads, "q_idx": q_len, "kv_idx": kv_len}
+        if self.max_length is not None and max(q_len, kv_len) > self.max_length:
+            raise ExpressionError(f"CUDA expression {self.text!r} is proven for sequences up to {self.max_length} "
+                                  f"(its int arithmetic or indices could leave range past that), got q_len {q_len}, "
+                                  f"kv_len {kv_len}")
         for name, axes, fixed in self.array_needs:
             need = max([fixed] + [sizes[a] for a in axes])
             if lengths[name] < need:

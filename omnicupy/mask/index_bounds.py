@@ -18,6 +18,8 @@ subscript of a checked expression. Knows the expression grammar's operators; not
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 from dataclasses import dataclass
 from fractions import Fraction
@@ -30,6 +32,21 @@ from .expr_syntax import INDEX_NAMES, Token
 #: Largest size of each index name's axis that any call may have (inputs.py MAX_SEQ_LEN, MAX_GRID_YZ).
 SIZE_LIMITS = {"b": 65535, "h": 65535, "q_idx": 2**31 - 2**16, "kv_idx": 2**31 - 2**16}
 _AXES = INDEX_NAMES  # form coefficient order: sizes of b, h, q_idx, kv_idx
+#: The size limits in force (``size_limits`` tightens them while one expression is analysed).
+_LIMITS: contextvars.ContextVar = contextvars.ContextVar("omnicupy_index_size_limits", default=SIZE_LIMITS)
+
+
+@contextlib.contextmanager
+def size_limits(limits: Mapping[str, int]):
+    """Analyse with tighter axis sizes (never looser than SIZE_LIMITS): an expression that reads an
+    array of L elements at a bare ``q_idx`` can only be called with ``Nq <= L`` (the call's length
+    check refuses more), so inside that expression ``q_idx <= L - 1`` holds for every other index too."""
+    merged = {a: max(1, min(SIZE_LIMITS[a], int(limits.get(a, SIZE_LIMITS[a])))) for a in _AXES}
+    token = _LIMITS.set(merged)
+    try:
+        yield
+    finally:
+        _LIMITS.reset(token)
 _INT32 = (-2**31, 2**31 - 1)
 _MAX_BOUNDS = 8  # bounds kept per side; dropping one only weakens the range (still sound)
 
@@ -53,9 +70,9 @@ class Form:
 
     def extreme(self, largest: bool) -> Fraction:
         """The form's max (or min) over every allowed size (each size in [1, SIZE_LIMITS])."""
-        total = self.const
+        total, limits = self.const, _LIMITS.get()
         for c, axis in zip(self.coef, _AXES):
-            total += c * (SIZE_LIMITS[axis] if (c > 0) == largest else 1)
+            total += c * (limits[axis] if (c > 0) == largest else 1)
         return total
 
     @property
@@ -350,4 +367,4 @@ def index_range(index: str, *, constants: Optional[Mapping[str, object]] = None,
     return result
 
 
-__all__ = ["Form", "Range", "SIZE_LIMITS", "index_range", "subscript_ranges"]
+__all__ = ["Form", "Range", "SIZE_LIMITS", "index_range", "size_limits", "subscript_ranges"]
