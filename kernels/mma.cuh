@@ -12,6 +12,7 @@
 namespace omni {
 
 struct Fp16 {
+  using Storage = u16;  // one element in memory (element.cuh: the traits every operand names)
   // Two floats -> one register of two fp16, `lo` in the low half (column 2t), round to nearest.
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
@@ -34,6 +35,7 @@ struct Fp16 {
 };
 
 struct Bf16 {
+  using Storage = u16;
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
