@@ -21,27 +21,24 @@ struct Fp32 {
   static __device__ __forceinline__ float to_float(float x) { return x; }
 };
 
-// fp8 storage. Conversions go through packed f16x2 (cvt ... e4m3x2 / e5m2x2, sm_89 and later): two
-// fp8 values in the low 16 bits of a register become two fp16 values, `lo` in the low half.
-struct E4M3 {
+// fp8 storage. Conversions go through packed f16x2 (cvt.rn.f16x2.e4m3x2 / e5m2x2, sm_89 and later):
+// two fp8 values in the low 16 bits of a register become two fp16 values, `lo` in the low half.
+template <bool kE4M3>
+struct Fp8 {
   using Storage = u8;
   static __device__ __forceinline__ u32 to_f16x2(u16 two) {
     u32 r;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(two));
+    if constexpr (kE4M3) {
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(two));
+    } else {
+      asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(r) : "h"(two));
+    }
     return r;
   }
   static __device__ __forceinline__ float to_float(u8 x) { return Fp16::to_float(static_cast<u16>(to_f16x2(x))); }
 };
-
-struct E5M2 {
-  using Storage = u8;
-  static __device__ __forceinline__ u32 to_f16x2(u16 two) {
-    u32 r;
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(r) : "h"(two));
-    return r;
-  }
-  static __device__ __forceinline__ float to_float(u8 x) { return Fp16::to_float(static_cast<u16>(to_f16x2(x))); }
-};
+using E4M3 = Fp8<true>;   // 4 exponent bits, 3 mantissa bits: the precision format
+using E5M2 = Fp8<false>;  // 5 exponent bits, 2 mantissa bits: the range format
 
 template <Dtype> struct ElementOf;
 template <> struct ElementOf<Dtype::fp16> { using type = Fp16; };

@@ -47,6 +47,23 @@ struct Gemms {
     }
   }
 
+  // The same, waited for: S = Q Kᵀ / O += P V complete when these return.
+  static __device__ __forceinline__ void qk_now(float (&acc_s)[kMTiles][kNTiles][4], u64 q_desc, u64 k_desc) {
+    wgmma::fence();
+    issue_qk(acc_s, q_desc, k_desc);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(acc_s[0]);
+  }
+  static __device__ __forceinline__ void pv_now(float (&acc_o)[kMTiles][kDTiles][4],
+                                                const u32 (&p)[kMTiles][kPVSteps][4], u64 v_desc) {
+    wgmma::fence();
+    issue_pv(acc_o, p, v_desc);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(acc_o[0]);
+  }
+
   // wgmma reads its register A operand asynchronously: keep P in its registers until the wait.
   static __device__ __forceinline__ void hold(const u32 (&p)[kMTiles][kPVSteps][4]) {
 #pragma unroll

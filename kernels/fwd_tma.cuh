@@ -246,10 +246,7 @@ __device__ __forceinline__ void forward(const Params& params) {
     const MaskRow& row = cta.row;
 
     float acc_o[kMTiles][kDTiles][4];
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_o[0][dt][i] = 0.f;
+    zero(acc_o);
     OnlineSoftmax<kMTiles, kNTiles, Cfg::kPolyExpEvery> softmax;
     softmax.init();
 
@@ -274,21 +271,13 @@ __device__ __forceinline__ void forward(const Params& params) {
         while (cur.entry < row.count) {
           const KvTile nxt = next_tile(cur.entry, cur.tile + 1);
           k_ring.wait_full(ring);
-          wgmma::fence();
-          G::issue_qk(acc_s, q_desc, k_desc(ring.stage));
-          wgmma::commit();
-          wgmma::wait<0>();
-          wgmma::pin(acc_s[0]);
+          G::qk_now(acc_s, q_desc, k_desc(ring.stage));
           k_ring.release(ring);
           scores_to_p(cur, acc_s, alpha);
           rescale_o(acc_o, alpha);  // tile 0: O and alpha are 0
           pack_a<Mma>(pk, acc_s);
           v_ring.wait_full(ring);
-          wgmma::fence();
-          G::issue_pv(acc_o, pk, v_desc(ring.stage));
-          wgmma::commit();
-          wgmma::wait<0>();
-          wgmma::pin(acc_o[0]);
+          G::pv_now(acc_o, pk, v_desc(ring.stage));
           v_ring.release(ring);
           ring.advance();
           cur = nxt;

@@ -137,10 +137,7 @@ __device__ __forceinline__ void forward(const Params& params) {
   const u64 q_desc = wgmma::descriptor(sQ + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
 
   float acc_o[kMTiles][kDTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_o[0][dt][i] = 0.f;
+  zero(acc_o);
   OnlineSoftmax<kMTiles, kNTiles, Cfg::kPolyExpEvery> softmax;
   softmax.init();
 
@@ -168,13 +165,7 @@ __device__ __forceinline__ void forward(const Params& params) {
     if (with_v) load_tile_async<Cfg, kBc>(v_buf(s), v_bh, p.v_sn, t.start, p.kv_len);
   };
   // O += P V from v_buf(s), waited for
-  const auto pv_now = [&](const u32 (&pk)[kMTiles][kPVSteps][4], int s) {
-    wgmma::fence();
-    G::issue_pv(acc_o, pk, v_desc(s));
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(acc_o[0]);
-  };
+  const auto pv_now = [&](const u32 (&pk)[kMTiles][kPVSteps][4], int s) { G::pv_now(acc_o, pk, v_desc(s)); };
 
   const auto next_tile = [&](int entry, int tile) {
     return find_tile<kBc, Cfg::kHasCausal>(row, entry, tile, p.kv_block_size, p.kv_len);
@@ -194,11 +185,7 @@ __device__ __forceinline__ void forward(const Params& params) {
       load_kv(1, nxt, !kOverlap);
       cp_async_commit();
     }
-    wgmma::fence();
-    G::issue_qk(acc_s, q_desc, k_desc(0));
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(acc_s[0]);
+    G::qk_now(acc_s, q_desc, k_desc(0));
     scores_to_p(cur, acc_s, alpha);  // O is still zero: nothing to rescale
     pack_a<Mma>(pk, acc_s);
     if (!kOverlap) pv_now(pk, 0);
