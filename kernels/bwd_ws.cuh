@@ -213,9 +213,7 @@ template <class C, class F, bool kDeterministic, class P>
 __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int tid) {
   using S = bwd_wgmma::Shape<C>;
   using T = typename C::T;
-  using bwd_wgmma::hold;
   using bwd_wgmma::issue_regs_rows;
-  using bwd_wgmma::issue_rows_rows;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLdS = S::kLdS, kNT = S::kNT;
   constexpr int kConsumerBarrier = 1;  // named barrier of the consumer threads (0 is __syncthreads)
 
@@ -224,21 +222,13 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   const int group = p.kv_group;
   const int warp_row0 = warp * 16;  // this warp's first kv row within the tile
 
-  const u64 k_a = wgmma::descriptor(sm.k + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
-  const u64 v_a = wgmma::advance(k_a, S::kKvBytes);
-  const u64 q_kmaj0 = wgmma::descriptor(sm.q, 16, wgmma::kAtomBytes);
-  const u64 do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
-  const u64 q_nmaj0 = wgmma::descriptor(sm.q, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
-  const u64 do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
-  const u64 k_nmaj = wgmma::descriptor(sm.k, kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const bwd_wgmma::Descs<C> d(sm.k, sm.q, warpgroup);
   const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ
   const u32 ds_a = smem_u32(sm.ds_ptr + ((lane / 16) * 8 + lane % 8) * kLdS + ((lane / 8) % 2) * 8 + m0);
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < S::kDTiles; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_dk[dt][i] = acc_dv[dt][i] = 0.f;
+  bwd_wgmma::zero_rows(acc_dk);
+  bwd_wgmma::zero_rows(acc_dv);
 
   const int kv_block = kv0 / p.kv_block_size;
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;
@@ -258,24 +248,9 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     const float* delta_s = sm.delta + s * kBr;
 
     // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
-    // From here to dK's issue the code is bwd_wgmma.cuh's, line for line. One function for both
-    // kernels changed both kernels' code and measured 2-3 % slower on several masks (NOTES.md
-    // §31): a change to one copy belongs in the other, with its cubins and timings checked.
+    // The steps are bwd_wgmma.cuh's functions, shared with the single-group kernel.
     float acc_s[1][kNT][4], acc_dp[1][kNT][4];
-    const auto issue_dp = [&] {
-      issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
-      wgmma::commit();
-    };
-    wgmma::fence();
-    issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_s[0], k_a, wgmma::advance(q_kmaj0, buf_off));
-    wgmma::commit();
-    if constexpr (S::kOverlapDp) {
-      issue_dp();
-      wgmma::wait<1>();  // Sᵀ only
-    } else {
-      wgmma::wait<0>();
-    }
-    wgmma::pin(acc_s[0]);
+    bwd_wgmma::issue_s<C>(acc_s, acc_dp, d, buf_off);
 
     // ---- Pᵀ (bwd_common.cuh), packed for dV; acc_s keeps Pᵀ ∘ score_mod' for dSᵀ ----
     const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0);
@@ -306,38 +281,20 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
 
     // ---- dV += Pᵀ dO ----
     wgmma::fence();
-    if constexpr (!S::kOverlapDp) issue_dp();
-    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(do_nmaj0, buf_off));
+    if constexpr (!S::kOverlapDp) bwd_wgmma::issue_dp<C>(acc_dp, d, buf_off);
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(d.do_nmaj0, buf_off));
     wgmma::commit();
 
-    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
-    wgmma::wait<1>();
-    wgmma::pin(acc_dp[0]);
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float d = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
-        acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);
-      }
+    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod', then dK += dSᵀ Q; dSᵀ to this tile's buffer for dQ ----
     u32 ds_t[1][S::kQSteps][4];
-    pack_a<T>(ds_t, acc_dp);
-
-    // ---- dK += dSᵀ Q; dSᵀ to this tile's buffer for dQ ----
-    wgmma::fence();
-    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
-    wgmma::commit();
+    bwd_wgmma::issue_dk<C>(acc_dk, ds_t, acc_dp, acc_s, delta_s, d, buf_off, lane);
     const u32 ds_off = s * kBc * kLdS * 2;
     bwd::store_ds_rows<kLdS>(sm.ds_ptr + s * kBc * kLdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
     // dSᵀ complete for dQ, which contracts over every consumer's kv rows. Two buffers: the one
     // written next (tile n + 1) was last read by every consumer's ldmatrix of tile n - 1, before
     // each of them arrived here for tile n.
     tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
-    wgmma::wait<0>();
-    hold(p_t[0]);
-    hold(ds_t[0]);
-    wgmma::pin(acc_dk);
-    wgmma::pin(acc_dv);
+    bwd_wgmma::dk_dv_done<C>(p_t, ds_t, acc_dk, acc_dv);
     float dq_unit[2];  // deterministic: this lane's dQ rows' units, read before the stage goes back
     if constexpr (kDeterministic) {
       dq_unit[0] = sm.unit(s)[m0 + lane / 4];
@@ -353,18 +310,9 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     for (int chunk = 0; chunk < S::kDqCols; chunk += S::kDqN) {
       const int col = warpgroup * S::kDqCols + chunk;  // first dQ column of this wgmma
       float acc_dq[S::kDqN / 8][4];
-#pragma unroll
-      for (int dt = 0; dt < S::kDqN / 8; ++dt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
-      wgmma::fence();
-      issue_regs_rows<S::kDqN, S::kKvSteps, T>(acc_dq, a_ds,
-                                               wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
-      wgmma::commit();
+      bwd_wgmma::issue_dq<C>(acc_dq, a_ds, d, col);
       if (chunk == 0) tma::wait(sm.dq_empty(), (n & 1) ^ 1);  // the writer has read tile n - 1's dQ
-      wgmma::wait<0>();
-      wgmma::pin(acc_dq);
-      hold(a_ds);
+      bwd_wgmma::dq_done<C>(acc_dq, a_ds);
       const int block = col / dq_tiles::kCols;
       if constexpr (kDeterministic) {
         bwd_wgmma::stage_dq<S::kDqN / 8, true>(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4,
