@@ -325,6 +325,45 @@ __device__ __forceinline__ void issue_s(float (&acc_s)[1][Shape<C>::kNT][4], flo
   wgmma::pin(acc_s[0]);
 }
 
+// Pᵀ from Sᵀ (bwd_common.cuh), one warp's n8 tiles: packed into the A fragments of dV (p_t), and
+// acc_s keeps Pᵀ ∘ score_mod' in fp32 for dSᵀ (no array of derivatives stays live across the tile).
+template <class C>
+__device__ __forceinline__ void keep_p_t(u32 (&p_t)[1][Shape<C>::kQSteps][4], float (&acc_s)[1][Shape<C>::kNT][4], int nt,
+                                         const float (&pf)[4], const float (&g)[4]) {
+  using T = typename C::T;
+  p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
+  p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
+}
+
+// Tiles with no per-score work: Pᵀ = exp2(Sᵀ scale_log2 - lse_log2).
+template <class C>
+__device__ __forceinline__ void plain_probs_t(float (&acc_s)[1][Shape<C>::kNT][4], u32 (&p_t)[1][Shape<C>::kQSteps][4],
+                                              const float* lse_s, float scale_log2, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < Shape<C>::kNT; ++nt) {
+    float pf[4];
+    const float one[4] = {1.f, 1.f, 1.f, 1.f};
+    bwd::plain_probs(pf, acc_s[0][nt], lse_s, scale_log2, nt, (lane % 4) * 2);
+    keep_p_t<C>(p_t, acc_s, nt, pf, one);
+  }
+}
+
+// The others: the score transform and the mask first (bwd::masked_probs).
+template <class C, class F, class P>
+__device__ __forceinline__ void masked_probs_t(float (&acc_s)[1][Shape<C>::kNT][4], u32 (&p_t)[1][Shape<C>::kQSteps][4],
+                                               const P& p, const bwd::ScoreTile<C>& st, bool kv_tail, int batch, int head,
+                                               int q0, int kv0, int kv_in_block, int warp_row0, const float* lse_s, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < Shape<C>::kNT; ++nt) {
+    float pf[4], g[4];
+    bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
+                                           warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
+    keep_p_t<C>(p_t, acc_s, nt, pf, g);
+  }
+}
+
 // dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' (acc_s: Pᵀ ∘ score_mod'), packed as ds_t; then dK += dSᵀ Q
 // issued and committed. Waits for dPᵀ (dV may still run).
 template <class C>
@@ -485,30 +524,16 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     } else {
       st = bwd::score_tile_staged<C>(cur, kv0, sBits + buf * kBr * S::kBitsRowBytes);
     }
-    // Per n8 tile: Pᵀ packed into the A fragments of dV (p_t), and acc_s keeps Pᵀ ∘ score_mod' in
-    // fp32 for dSᵀ (no array of derivatives stays live across the tile).
     u32 p_t[1][S::kQSteps][4];
-    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
-      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
-      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
-    };
     if (st.plain(kv_tail)) {
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        float pf[4];
-        const float one[4] = {1.f, 1.f, 1.f, 1.f};
-        bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
-        finish(nt, pf, one);
-      }
+      plain_probs_t<C>(acc_s, p_t, lse_s, p.scale_log2, lane);
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4], g[4];
         bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
                                                warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
-        finish(nt, pf, g);
+        keep_p_t<C>(p_t, acc_s, nt, pf, g);
       }
     }
 

@@ -255,27 +255,15 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     // ---- Pᵀ (bwd_common.cuh), packed for dV; acc_s keeps Pᵀ ∘ score_mod' for dSᵀ ----
     const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0);
     u32 p_t[1][S::kQSteps][4];
-    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
-      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
-      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
-    };
     if (st.plain(kv_tail)) {
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        float pf[4];
-        const float one[4] = {1.f, 1.f, 1.f, 1.f};
-        bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
-        finish(nt, pf, one);
-      }
+      bwd_wgmma::plain_probs_t<C>(acc_s, p_t, lse_s, p.scale_log2, lane);
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4], g[4];
         bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
                                                warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
-        finish(nt, pf, g);
+        bwd_wgmma::keep_p_t<C>(p_t, acc_s, nt, pf, g);
       }
     }
 
