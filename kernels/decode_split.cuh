@@ -405,15 +405,9 @@ __device__ __forceinline__ void split_kv(const Params& p) {
           }
           allowed[mt][half] = bits;
         }
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
-            if (!((allowed[mt][i / 2] >> col) & 1u)) acc_s[mt][nt][i] = neg_inf();
-          }
+      T::for_each_score(lane, [&](int mt, int nt, int i, int col) {
+        if (!((allowed[mt][i / 2] >> col) & 1u)) acc_s[mt][nt][i] = neg_inf();
+      });
     }
 
     // ---- online softmax, O += P V

@@ -11,6 +11,7 @@ namespace fwd_hopper {
 template <class Cfg>
 struct Gemms {
   using Mma = typename Cfg::Mma;
+  using Storage = typename Cfg::QElem::Storage;  // Q's, K's and V's elements in memory
   enum : int {
     kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles,
     // k16 steps of S = Q Kᵀ: those holding real columns (a padded variant's last ones are zeros)

@@ -113,6 +113,20 @@ struct Smem {
 };
 
 // ---------------------------------------------------------------- producer
+// One K or V tile (kBc rows from row0) into stage `at` of `ring` at shared address `dst`, once the
+// consumers have released it: its bytes announced, then one TMA box per 64-column block.
+template <class Cfg>
+__device__ __forceinline__ void load_kv_tile(const pipe::Ring<Cfg::kStages>& ring, RingPos at, u32 dst, const TmaDesc* map,
+                                             int row0, int kv_head, int batch) {
+  ring.acquire(at);
+  tma::arrive_expect_tx(ring.full(at.stage), Shape<Cfg>::kTileBytes);
+#pragma unroll
+  for (int c = 0; c < Shape<Cfg>::kColBlocks; ++c) {
+    tma::load_4d(dst + c * Cfg::kBc * wgmma::kSwizzleBytes, map, ring.full(at.stage), c * wgmma::kBlockCols, row0, kv_head,
+                 batch);
+  }
+}
+
 // One thread: for every tile of this CTA, Q (once the consumers released the previous one), then
 // K and V of every kv tile the consumers will visit, in the same order (the same find_tile walk),
 // each into the next stage once the consumers have released it. Reads the __grid_constant__
@@ -146,20 +160,8 @@ __device__ __forceinline__ void produce(const Params& params, const Smem<Cfg>& s
     for (KvTile t = find_tile<kBc, Cfg::kHasCausal>(cta.row, 0, 0, params.kv_block_size, params.kv_len);
          t.entry < cta.row.count;
          t = find_tile<kBc, Cfg::kHasCausal>(cta.row, t.entry, t.tile + 1, params.kv_block_size, params.kv_len)) {
-      k_ring.acquire(ring);
-      tma::arrive_expect_tx(k_ring.full(ring.stage), S::kTileBytes);
-#pragma unroll
-      for (int c = 0; c < S::kColBlocks; ++c) {
-        tma::load_4d(sm.k(ring.stage) + c * kBc * wgmma::kSwizzleBytes, k_map, k_ring.full(ring.stage),
-                     c * wgmma::kBlockCols, t.start, kv_head, cta.batch);
-      }
-      v_ring.acquire(ring);
-      tma::arrive_expect_tx(v_ring.full(ring.stage), S::kTileBytes);
-#pragma unroll
-      for (int c = 0; c < S::kColBlocks; ++c) {
-        tma::load_4d(sm.v(ring.stage) + c * kBc * wgmma::kSwizzleBytes, v_map, v_ring.full(ring.stage),
-                     c * wgmma::kBlockCols, t.start, kv_head, cta.batch);
-      }
+      load_kv_tile<Cfg>(k_ring, ring, sm.k(ring.stage), k_map, t.start, kv_head, cta.batch);
+      load_kv_tile<Cfg>(v_ring, ring, sm.v(ring.stage), v_map, t.start, kv_head, cta.batch);
       ring.advance();
     }
   }
@@ -174,8 +176,8 @@ template <class Cfg, class Params>
 __device__ __forceinline__ void forward(const Params& params) {
   using S = Shape<Cfg>;
   using G = fwd_hopper::Gemms<Cfg>;
-  using Mma = typename Cfg::Mma;
-  using T = typename Cfg::QElem::Storage;
+  using Mma = typename G::Mma;
+  using T = typename G::Storage;
   constexpr int kBc = Cfg::kBc, kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
   constexpr int kPVSteps = G::kPVSteps, kWarpRows = S::kWarpRows;
   constexpr bool kOverlap = Cfg::kOverlap, kPingPong = Cfg::kPingPong, kPersistent = S::kPersistent;

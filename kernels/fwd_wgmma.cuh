@@ -93,9 +93,9 @@ __device__ __forceinline__ void tiles_landed() {
 template <class Cfg, class Params>
 __device__ __forceinline__ void forward(const Params& params) {
   using S = Shape<Cfg>;
-  using G = fwd_hopper::Gemms<Cfg>;
-  using Mma = typename Cfg::Mma;
-  using T = typename Cfg::QElem::Storage;
+  using G = fwd_hopper::Gemms<Cfg>;  // S = Q Kᵀ, O += P V
+  using Mma = typename G::Mma;
+  using T = typename G::Storage;  // Q's, K's, V's and O's elements in memory
   constexpr int kBr = Cfg::kBr, kBc = Cfg::kBc, kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
   constexpr int kPVSteps = G::kPVSteps, kTileBytes = S::kTileBytes, kWarpRows = S::kWarpRows;
   constexpr bool kOverlap = Cfg::kOverlap;
