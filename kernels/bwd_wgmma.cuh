@@ -337,33 +337,6 @@ __device__ __forceinline__ void keep_p_t(u32 (&p_t)[1][Shape<C>::kQSteps][4], fl
   for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
 }
 
-// Tiles with no per-score work: Pᵀ = exp2(Sᵀ scale_log2 - lse_log2).
-template <class C>
-__device__ __forceinline__ void plain_probs_t(float (&acc_s)[1][Shape<C>::kNT][4], u32 (&p_t)[1][Shape<C>::kQSteps][4],
-                                              const float* lse_s, float scale_log2, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < Shape<C>::kNT; ++nt) {
-    float pf[4];
-    const float one[4] = {1.f, 1.f, 1.f, 1.f};
-    bwd::plain_probs(pf, acc_s[0][nt], lse_s, scale_log2, nt, (lane % 4) * 2);
-    keep_p_t<C>(p_t, acc_s, nt, pf, one);
-  }
-}
-
-// The others: the score transform and the mask first (bwd::masked_probs).
-template <class C, class F, class P>
-__device__ __forceinline__ void masked_probs_t(float (&acc_s)[1][Shape<C>::kNT][4], u32 (&p_t)[1][Shape<C>::kQSteps][4],
-                                               const P& p, const bwd::ScoreTile<C>& st, bool kv_tail, int batch, int head,
-                                               int q0, int kv0, int kv_in_block, int warp_row0, const float* lse_s, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < Shape<C>::kNT; ++nt) {
-    float pf[4], g[4];
-    bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
-                                           warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
-    keep_p_t<C>(p_t, acc_s, nt, pf, g);
-  }
-}
-
 // dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' (acc_s: Pᵀ ∘ score_mod'), packed as ds_t; then dK += dSᵀ Q
 // issued and committed. Waits for dPᵀ (dV may still run).
 template <class C>
@@ -526,7 +499,13 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     }
     u32 p_t[1][S::kQSteps][4];
     if (st.plain(kv_tail)) {
-      plain_probs_t<C>(acc_s, p_t, lse_s, p.scale_log2, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4];
+        const float one[4] = {1.f, 1.f, 1.f, 1.f};
+        bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
+        keep_p_t<C>(p_t, acc_s, nt, pf, one);
+      }
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {

@@ -35,6 +35,8 @@
 // per role, had each read the transposed index from L1 on their critical paths: NOTES.md §33.)
 #pragma once
 #include "bwd_wgmma.cuh"
+#include "pipeline.cuh"
+#include "tile_scheduler.cuh"
 #include "tma.cuh"
 
 namespace omni {
@@ -83,8 +85,9 @@ struct Layout {
     bars = bits + C::kStages * C::kBr * S::kBitsRowBytes;
     info_ptr = raw + (bars + 64 - base);
   }
+  // The Q/dO/LSE/delta stages (pipeline.cuh): q tile n in stage RingPos::of(n).
+  __device__ __forceinline__ pipe::Ring<2> q_ring() const { return {bars, bars + 16}; }
   __device__ __forceinline__ u32 q_full(int s) const { return bars + 8 * s; }
-  __device__ __forceinline__ u32 q_empty(int s) const { return bars + 16 + 8 * s; }
   __device__ __forceinline__ u32 kv_full() const { return bars + 32; }
   __device__ __forceinline__ u32 dq_full() const { return bars + 40; }
   __device__ __forceinline__ u32 dq_empty() const { return bars + 48; }
@@ -125,7 +128,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
   QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, false);
   for (int n = 0;; ++n) {
     const int s = n & 1;
-    tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
+    sm.q_ring().acquire(pipe::RingPos::of(n));  // the consumers are done with tile n - 2
     if (t == 0) *sm.info(s) = tile;  // the walk's record for the consumers, published with the stage
     if (tile.g >= p.kv_group) {  // the end of the walk, announced like a q tile
       if (p.tma_loads && t == 0) tma::arrive(sm.q_full(s));  // the arrival the copies' expect-tx would make
@@ -237,6 +240,8 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   int n = 0;
   for (;; ++n) {
     const int s = n & 1;
+    // q_ring().wait_full(RingPos::of(n)), written out: through the helper NVVM scheduled this loop
+    // differently (the cubins changed), which the loader's and the release's calls do not.
     tma::wait(sm.q_full(s), (n >> 1) & 1);
     const QTile cur = *sm.info(s);  // the loader's walk (one walk per CTA, in the loader)
     if (cur.g >= group) break;
@@ -256,7 +261,13 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0);
     u32 p_t[1][S::kQSteps][4];
     if (st.plain(kv_tail)) {
-      bwd_wgmma::plain_probs_t<C>(acc_s, p_t, lse_s, p.scale_log2, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float pf[4];
+        const float one[4] = {1.f, 1.f, 1.f, 1.f};
+        bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
+        bwd_wgmma::keep_p_t<C>(p_t, acc_s, nt, pf, one);
+      }
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
@@ -288,7 +299,7 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
       dq_unit[0] = sm.unit(s)[m0 + lane / 4];
       dq_unit[1] = sm.unit(s)[m0 + lane / 4 + 8];
     }
-    tma::arrive(sm.q_empty(s));  // Q, dO, LSE, delta (and units) of stage s are no longer read
+    sm.q_ring().release(pipe::RingPos::of(n));  // Q, dO, LSE, delta (and units) of stage s are no longer read
 
     // ---- dQ = dS K over every consumer's kv rows, this warpgroup's columns; staged for the writer ----
     u32 a_ds[S::kKvSteps][4];
@@ -334,14 +345,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, const P& maps, unsi
   static_assert(S::kWarpSpecialized, "a producer warpgroup and kBc / 64 consumer warpgroups");
   const Layout<C> sm(smem_raw);
   const int tid = threadIdx.x, warp = tid / 32;
-  const int batch = blockIdx.z, hk = blockIdx.y, kv0 = blockIdx.x * C::kBc;
+  const GridTile tile = grid_tile();  // one CTA per (kv tile, kv head, batch): tile_scheduler.cuh
+  const int batch = tile.batch, hk = tile.head, kv0 = tile.tile * C::kBc;
   if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      // every loader thread, its copies landed; with TMA loads also the expect-tx arrival
-      tma::barrier_init(sm.q_full(s), kLoadLanes + (p.tma_loads ? 1 : 0));
-      tma::barrier_init(sm.q_empty(s), S::kConsumerThreads);  // every consumer thread
-    }
+    // full: every loader thread, its copies landed (with TMA loads also the expect-tx arrival);
+    // empty: every consumer thread
+    sm.q_ring().init(kLoadLanes + (p.tma_loads ? 1 : 0), S::kConsumerThreads);
     tma::barrier_init(sm.kv_full(), kLoadLanes);
     tma::barrier_init(sm.dq_full(), S::kConsumerThreads);
     tma::barrier_init(sm.dq_empty(), 1);  // the writer's lane 0, its reductions' reads done

@@ -11,14 +11,13 @@
 
 namespace omni {
 
-// A CTA of a (tiles, heads, batch) grid.
+// A CTA of a (tiles, heads, batch) grid. Unsigned, as the grid's indices are: products such as
+// tile * rows then compile as they did from blockIdx itself.
 struct GridTile {
-  int tile, head, batch;
+  u32 tile, head, batch;
 };
 
-__device__ __forceinline__ GridTile grid_tile() {
-  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
-}
+__device__ __forceinline__ GridTile grid_tile() { return {blockIdx.x, blockIdx.y, blockIdx.z}; }
 
 // This CTA's flat tiles: its slice [next, end) of `list`, else every step-th index from next.
 struct TileWalk {
