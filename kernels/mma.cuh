@@ -11,6 +11,22 @@
 
 namespace omni {
 
+// d += a * b on fp16 (kBf16 false) or bf16 inputs.
+template <bool kBf16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#define OMNI_MMA_M16N8K16(TYPE)                                                          \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                     \
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (kBf16) {
+    OMNI_MMA_M16N8K16("bf16");
+  } else {
+    OMNI_MMA_M16N8K16("f16");
+  }
+#undef OMNI_MMA_M16N8K16
+}
+
 struct Fp16 {
   using Storage = u16;  // one element in memory (element.cuh: the traits every operand names)
   // Two floats -> one register of two fp16, `lo` in the low half (column 2t), round to nearest.
@@ -25,13 +41,7 @@ struct Fp16 {
     return f;
   }
   // d += a * b
-  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { mma_m16n8k16<false>(d, a, b0, b1); }
 };
 
 struct Bf16 {
@@ -42,13 +52,7 @@ struct Bf16 {
     return r;
   }
   static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(static_cast<u32>(x) << 16); }
-  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { mma_m16n8k16<true>(d, a, b0, b1); }
 };
 
 }  // namespace omni
