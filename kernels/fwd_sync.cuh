@@ -58,7 +58,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
     constexpr int kRowStep = kThreads / kChunks;
     static_assert(kRows % kRowStep == 0, "tile copy divides evenly among threads");
     const int r = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
-    const bool real = real_chunk<Cfg, kE>(ch);
+    const bool real = real_chunk_of<Cfg, kE>(ch);
     const T* src = gmem + static_cast<i64>(row0 + r) * row_stride + ch * kE;
     const u32 dst = smem_u32(smem + r * kLd + ch * kE);
     const i64 src_step = kRowStep * row_stride;
@@ -72,7 +72,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, i64 row_
     for (int i = 0; i < (kRows * kChunks + kThreads - 1) / kThreads; ++i) {
       const int c = i * kThreads + threadIdx.x;
       const int r = c / kChunks, ch = c % kChunks;
-      const bool valid = real_chunk<Cfg, kE>(ch) && row0 + r < len;
+      const bool valid = real_chunk_of<Cfg, kE>(ch) && row0 + r < len;
       if (c < kRows * kChunks)
         cp_async_16(smem_u32(smem + r * kLd + ch * kE), valid ? gmem + static_cast<i64>(row0 + r) * row_stride + ch * kE : gmem,
                     valid);

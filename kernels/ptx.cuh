@@ -129,10 +129,19 @@ __device__ __forceinline__ float exp2_fma(float x) {
 // chunk `ch` of a row holds real columns. Chunks at or past kHeadDimValid / 8 are padding: loads
 // zero-fill them (so they add nothing to Q Kᵀ and give output columns nobody reads), stores skip
 // them. A constant true for unpadded variants, folded away: their code is unchanged.
-// kElems: elements per chunk (8 of 16 bits; 16 of fp8).
-template <class Cfg, int kElems = 8>
+template <class Cfg>
 __device__ __forceinline__ bool real_chunk(int ch) {
-  return Cfg::kHeadDimValid == Cfg::kHeadDim || ch < Cfg::kHeadDimValid / kElems;
+  return Cfg::kHeadDimValid == Cfg::kHeadDim || ch < Cfg::kHeadDimValid / 8;
+}
+
+// The same for chunks of kElems elements (8 of 16 bits, 16 of fp8).
+template <class Cfg, int kElems>
+__device__ __forceinline__ bool real_chunk_of(int ch) {
+  if constexpr (kElems == 8) {
+    return real_chunk<Cfg>(ch);
+  } else {
+    return Cfg::kHeadDimValid == Cfg::kHeadDim || ch < Cfg::kHeadDimValid / kElems;
+  }
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
