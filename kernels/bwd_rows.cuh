@@ -48,6 +48,20 @@ struct RowShape {
   static_assert(kChunks <= 32, "one lane group reads a row in one pass");
 };
 
+// Where a lane of a row kernel works (grid (blocks of R::kRowsPerCta rows, Hq, B)): chunk l of row
+// `row` of (batch, head), its lane group's row.
+template <class R>
+struct RowLane {
+  int l, row, head, batch;
+  __device__ __forceinline__ RowLane() {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    l = lane % R::kLanes;  // this lane's chunk of its row
+    row = blockIdx.x * R::kRowsPerCta + warp * R::kRowsPerWarp + lane / R::kLanes;
+    head = blockIdx.y;
+    batch = blockIdx.z;
+  }
+};
+
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
 
 // Sum of a[i] * b[i] over the eight 16-bit values of two 16-byte chunks.
@@ -149,10 +163,8 @@ __device__ __forceinline__ void kv_bounds(const P& p) {
 template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
 __device__ __forceinline__ void preprocess_rows(const P& p) {
   using R = RowShape<kHeadDimValid>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int l = lane % R::kLanes;  // this lane's chunk of its row
-  const int row = blockIdx.x * R::kRowsPerCta + warp * R::kRowsPerWarp + lane / R::kLanes;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const RowLane<R> at;
+  const int l = at.l, row = at.row, head = at.head, batch = at.batch;
   // No early return: every lane takes part in the shuffles below (a warp's rows may straddle q_len_pad).
   const bool in_workspace = row < p.q_len_pad;  // real or padding rows of the q_len_pad
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
@@ -199,10 +211,8 @@ __device__ __forceinline__ void preprocess_rows(const P& p) {
 template <int kHeadDim, typename T, int kHeadDimValid = kHeadDim, bool kTiledDq = false, typename P>
 __device__ __forceinline__ void convert_dq(const P& p) {
   using R = RowShape<kHeadDimValid>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int l = lane % R::kLanes;  // this lane's chunk of its row
-  const int row = blockIdx.x * R::kRowsPerCta + warp * R::kRowsPerWarp + lane / R::kLanes;
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const RowLane<R> at;
+  const int l = at.l, row = at.row, head = at.head, batch = at.batch;
   if (row >= p.q_len || l >= R::kChunks) return;
   const i64 bh = static_cast<i64>(batch) * p.num_heads + head;
   Vec16 a, b;  // columns l * 8 .. + 7

@@ -270,6 +270,124 @@ __device__ __forceinline__ void reduce_dq(float* dst, u32 src, u32 bytes) {
   }
 }
 
+// ================================================================ one q tile's products
+// The steps both kernels (this one and bwd_ws.cuh's consumers) run per q tile, for one consumer
+// warpgroup owning 64 kv rows: Sᵀ and dPᵀ, Pᵀ, dSᵀ and dK, dV, dQ.
+
+// The operand descriptors, built once; stages and k-steps add compile-time offsets to the start address.
+//   K, V as A of Sᵀ / dPᵀ (K-major): this warpgroup's 64 rows.
+//   Q, dO as B of Sᵀ / dPᵀ (K-major) and as B of dK / dV (N-major: k = q row, n = head dim column).
+//   K as B of dQ (N-major: k = kv row).
+// V, dO: a compile-time offset from K, Q (one add each, which ptxas can redo instead of holding).
+template <class C>
+struct Descs {
+  using S = Shape<C>;
+  u64 k_a, v_a, q_kmaj0, do_kmaj0, q_nmaj0, do_nmaj0, k_nmaj;
+  __device__ __forceinline__ Descs(u32 sK, u32 sQ, int warpgroup) {
+    k_a = wgmma::descriptor(sK + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
+    v_a = wgmma::advance(k_a, S::kKvBytes);
+    q_kmaj0 = wgmma::descriptor(sQ, 16, wgmma::kAtomBytes);
+    do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
+    q_nmaj0 = wgmma::descriptor(sQ, C::kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+    do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
+    k_nmaj = wgmma::descriptor(sK, C::kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  }
+};
+
+template <int kN>
+__device__ __forceinline__ void zero_rows(float (&acc)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+}
+
+// dPᵀ = V dOᵀ of the q tile in stage buffer `buf_off`, committed.
+template <class C>
+__device__ __forceinline__ void issue_dp(float (&acc_dp)[1][Shape<C>::kNT][4], const Descs<C>& d, u32 buf_off) {
+  issue_rows_rows<C::kBr, Shape<C>::kKSteps, C::kBc, typename C::T>(acc_dp[0], d.v_a, wgmma::advance(d.do_kmaj0, buf_off));
+  wgmma::commit();
+}
+
+// Sᵀ = K Qᵀ, then dPᵀ behind it (kOverlapDp; else the caller issues dPᵀ after P); Sᵀ waited for.
+template <class C>
+__device__ __forceinline__ void issue_s(float (&acc_s)[1][Shape<C>::kNT][4], float (&acc_dp)[1][Shape<C>::kNT][4],
+                                       const Descs<C>& d, u32 buf_off) {
+  wgmma::fence();
+  issue_rows_rows<C::kBr, Shape<C>::kKSteps, C::kBc, typename C::T>(acc_s[0], d.k_a, wgmma::advance(d.q_kmaj0, buf_off));
+  wgmma::commit();
+  if constexpr (Shape<C>::kOverlapDp) {
+    issue_dp<C>(acc_dp, d, buf_off);
+    wgmma::wait<1>();  // Sᵀ only
+  } else {
+    wgmma::wait<0>();
+  }
+  wgmma::pin(acc_s[0]);
+}
+
+// Pᵀ from Sᵀ (bwd_common.cuh), one warp's n8 tiles: packed into the A fragments of dV (p_t), and
+// acc_s keeps Pᵀ ∘ score_mod' in fp32 for dSᵀ (no array of derivatives stays live across the tile).
+template <class C>
+__device__ __forceinline__ void keep_p_t(u32 (&p_t)[1][Shape<C>::kQSteps][4], float (&acc_s)[1][Shape<C>::kNT][4], int nt,
+                                         const float (&pf)[4], const float (&g)[4]) {
+  using T = typename C::T;
+  p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
+  p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' (acc_s: Pᵀ ∘ score_mod'), packed as ds_t; then dK += dSᵀ Q
+// issued and committed. Waits for dPᵀ (dV may still run).
+template <class C>
+__device__ __forceinline__ void issue_dk(float (&acc_dk)[Shape<C>::kDTiles][4], u32 (&ds_t)[1][Shape<C>::kQSteps][4],
+                                        float (&acc_dp)[1][Shape<C>::kNT][4], const float (&acc_s)[1][Shape<C>::kNT][4],
+                                        const float* delta_s, const Descs<C>& d, u32 buf_off, int lane) {
+  wgmma::wait<1>();
+  wgmma::pin(acc_dp[0]);
+#pragma unroll
+  for (int nt = 0; nt < Shape<C>::kNT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float dl = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
+      acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - dl);
+    }
+  pack_a<typename C::T>(ds_t, acc_dp);
+  wgmma::fence();
+  issue_regs_rows<C::kHeadDim, Shape<C>::kQSteps, typename C::T>(acc_dk, ds_t[0], wgmma::advance(d.q_nmaj0, buf_off));
+  wgmma::commit();
+}
+
+// dV and dK complete; their register fragments released.
+template <class C>
+__device__ __forceinline__ void dk_dv_done(const u32 (&p_t)[1][Shape<C>::kQSteps][4], const u32 (&ds_t)[1][Shape<C>::kQSteps][4],
+                                          float (&acc_dk)[Shape<C>::kDTiles][4], float (&acc_dv)[Shape<C>::kDTiles][4]) {
+  wgmma::wait<0>();
+  hold(p_t[0]);
+  hold(ds_t[0]);
+  wgmma::pin(acc_dk);
+  wgmma::pin(acc_dv);
+}
+
+// dQ's columns [col, col + kDqN) = dS K over the CTA's kv rows (a_ds: dS's A fragments), issued
+// and committed; the caller waits (dq_done).
+template <class C>
+__device__ __forceinline__ void issue_dq(float (&acc_dq)[Shape<C>::kDqN / 8][4], const u32 (&a_ds)[Shape<C>::kKvSteps][4],
+                                        const Descs<C>& d, int col) {
+  zero_rows(acc_dq);
+  wgmma::fence();
+  issue_regs_rows<Shape<C>::kDqN, Shape<C>::kKvSteps, typename C::T>(
+      acc_dq, a_ds, wgmma::advance(d.k_nmaj, (col / wgmma::kBlockCols) * C::kBc * wgmma::kSwizzleBytes));
+  wgmma::commit();
+}
+
+template <class C>
+__device__ __forceinline__ void dq_done(float (&acc_dq)[Shape<C>::kDqN / 8][4], const u32 (&a_ds)[Shape<C>::kKvSteps][4]) {
+  wgmma::wait<0>();
+  wgmma::pin(acc_dq);
+  hold(a_ds);
+}
+
 // ================================================================ the kernel body
 // kDeterministic: dQ added as int32 fixed point (bwd_rows.cuh), a kernel of its own so that the
 // default carries none of the conversion.
@@ -323,18 +441,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     cp_async_commit();
   };
 
-  // Descriptors, built once; stages and k-steps add compile-time offsets to the start address.
-  //   K, V as A of Sᵀ / dPᵀ (K-major): this warpgroup's 64 rows.
-  //   Q, dO as B of Sᵀ / dPᵀ (K-major) and as B of dK / dV (N-major: k = q row, n = head dim column).
-  //   K as B of dQ (N-major: k = kv row).
-  // V, dO: a compile-time offset from K, Q (one add each, which ptxas can redo instead of holding).
-  const u64 k_a = wgmma::descriptor(sK + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
-  const u64 v_a = wgmma::advance(k_a, S::kKvBytes);
-  const u64 q_kmaj0 = wgmma::descriptor(sQ, 16, wgmma::kAtomBytes);
-  const u64 do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
-  const u64 q_nmaj0 = wgmma::descriptor(sQ, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
-  const u64 do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
-  const u64 k_nmaj = wgmma::descriptor(sK, kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const Descs<C> d(sK, sQ, warpgroup);
   // dS's A fragments from dSᵀ [kv][q] (ldmatrix.trans): row (lane / 16) * 8 + lane % 8, column half (lane / 8) % 2.
   const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ
   const u32 ds_a = smem_u32(sdS + ((lane / 16) * 8 + lane % 8) * kLdS + ((lane / 8) % 2) * 8 + m0);
@@ -356,11 +463,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   constexpr bool kWarpReductions = C::kHeadDim >= 128;
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < S::kDTiles; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_dk[dt][i] = acc_dv[dt][i] = 0.f;
-
+  zero_rows(acc_dk);
+  zero_rows(acc_dv);
   const int kv_block = kv0 / p.kv_block_size;
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;  // kv tile offset within its block
   const bool kv_tail = kv0 + kBc > kv_len;
@@ -384,20 +488,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
 
     // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
     float acc_s[1][kNT][4], acc_dp[1][kNT][4];
-    const auto issue_dp = [&] {
-      issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
-      wgmma::commit();
-    };
-    wgmma::fence();
-    issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_s[0], k_a, wgmma::advance(q_kmaj0, buf_off));
-    wgmma::commit();
-    if constexpr (S::kOverlapDp) {
-      issue_dp();
-      wgmma::wait<1>();  // Sᵀ only
-    } else {
-      wgmma::wait<0>();
-    }
-    wgmma::pin(acc_s[0]);
+    issue_s<C>(acc_s, acc_dp, d, buf_off);
 
     // ---- score transform, mask, Pᵀ = exp2(Sᵀ scale_log2 - lse_log2) (bwd_common.cuh) ----
     bwd::ScoreTile<C> st;
@@ -406,22 +497,14 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     } else {
       st = bwd::score_tile_staged<C>(cur, kv0, sBits + buf * kBr * S::kBitsRowBytes);
     }
-    // Per n8 tile: Pᵀ packed into the A fragments of dV (p_t), and acc_s keeps Pᵀ ∘ score_mod' in
-    // fp32 for dSᵀ (no array of derivatives stays live across the tile).
     u32 p_t[1][S::kQSteps][4];
-    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
-      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
-      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
-    };
     if (st.plain(kv_tail)) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4];
         const float one[4] = {1.f, 1.f, 1.f, 1.f};
         bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
-        finish(nt, pf, one);
+        keep_p_t<C>(p_t, acc_s, nt, pf, one);
       }
     } else {
 #pragma unroll
@@ -429,33 +512,19 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
         float pf[4], g[4];
         bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
                                                warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
-        finish(nt, pf, g);
+        keep_p_t<C>(p_t, acc_s, nt, pf, g);
       }
     }
 
     // ---- dV += Pᵀ dO (runs while dSᵀ is computed) ----
     wgmma::fence();
-    if constexpr (!S::kOverlapDp) issue_dp();
-    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(do_nmaj0, buf_off));
+    if constexpr (!S::kOverlapDp) issue_dp<C>(acc_dp, d, buf_off);
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(d.do_nmaj0, buf_off));
     wgmma::commit();
 
-    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
-    wgmma::wait<1>();  // dPᵀ (dV may still run)
-    wgmma::pin(acc_dp[0]);
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float d = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
-        acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);  // acc_s: Pᵀ ∘ score_mod'
-      }
+    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod', then dK += dSᵀ Q; dSᵀ to shared memory for dQ ----
     u32 ds_t[1][S::kQSteps][4];
-    pack_a<T>(ds_t, acc_dp);
-
-    // ---- dK += dSᵀ Q; dSᵀ to shared memory for dQ ----
-    wgmma::fence();
-    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
-    wgmma::commit();
+    issue_dk<C>(acc_dk, ds_t, acc_dp, acc_s, delta_s, d, buf_off, lane);
     bwd::store_ds_rows<kLdS>(sdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
     // The previous q tile's reductions have had most of this one to read its staged dQ: wait for
     // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
@@ -465,11 +534,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     if (nxt.g < group) load_q_tile(nxt, buf ^ 1);
     // dV and dK ran behind the dSᵀ stores; their register fragments are released before dQ's
     // (at D = 128 holding both through dQ costs the registers that keep bias variants spill-free).
-    wgmma::wait<0>();
-    hold(p_t[0]);
-    hold(ds_t[0]);
-    wgmma::pin(acc_dk);
-    wgmma::pin(acc_dv);
+    dk_dv_done<C>(p_t, ds_t, acc_dk, acc_dv);
 
     // ---- dQ += dS K: staged in the accumulator's tile layout (dq_tiles.cuh) in Q's and dO's buffers,
     // free once every warpgroup's dK and dV have read them, then added with bulk reductions: by
@@ -482,18 +547,9 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
       for (int chunk = 0; chunk < S::kDqCols; chunk += S::kDqN) {
         const int col = warpgroup * S::kDqCols + chunk;  // first dQ column of this wgmma
         float acc_dq[S::kDqN / 8][4];
-#pragma unroll
-        for (int dt = 0; dt < S::kDqN / 8; ++dt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
-        wgmma::fence();
-        issue_regs_rows<S::kDqN, S::kKvSteps, T>(
-            acc_dq, a_ds, wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
-        wgmma::commit();
+        issue_dq<C>(acc_dq, a_ds, d, col);
         if (chunk == 0) __syncthreads();  // every warpgroup's dK and dV wgmma are done with Q and dO
-        wgmma::wait<0>();
-        wgmma::pin(acc_dq);
-        hold(a_ds);
+        dq_done<C>(acc_dq, a_ds);
         const int block = col / dq_tiles::kCols;
         if constexpr (kDeterministic) {
           const float* unit = sUnit + buf * kBr + m0 + lane / 4;  // this lane's dQ rows'

@@ -35,6 +35,8 @@
 // per role, had each read the transposed index from L1 on their critical paths: NOTES.md §33.)
 #pragma once
 #include "bwd_wgmma.cuh"
+#include "pipeline.cuh"
+#include "tile_scheduler.cuh"
 #include "tma.cuh"
 
 namespace omni {
@@ -83,8 +85,9 @@ struct Layout {
     bars = bits + C::kStages * C::kBr * S::kBitsRowBytes;
     info_ptr = raw + (bars + 64 - base);
   }
+  // The Q/dO/LSE/delta stages (pipeline.cuh): q tile n in stage RingPos::of(n).
+  __device__ __forceinline__ pipe::Ring<2> q_ring() const { return {bars, bars + 16}; }
   __device__ __forceinline__ u32 q_full(int s) const { return bars + 8 * s; }
-  __device__ __forceinline__ u32 q_empty(int s) const { return bars + 16 + 8 * s; }
   __device__ __forceinline__ u32 kv_full() const { return bars + 32; }
   __device__ __forceinline__ u32 dq_full() const { return bars + 40; }
   __device__ __forceinline__ u32 dq_empty() const { return bars + 48; }
@@ -125,7 +128,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
   QTile tile = bwd::next_q_tile<C>(p, batch, hk, kv0, 0, 0, 0, false);
   for (int n = 0;; ++n) {
     const int s = n & 1;
-    tma::wait(sm.q_empty(s), ((n >> 1) & 1) ^ 1);  // the consumers are done with tile n - 2
+    sm.q_ring().acquire(pipe::RingPos::of(n));  // the consumers are done with tile n - 2
     if (t == 0) *sm.info(s) = tile;  // the walk's record for the consumers, published with the stage
     if (tile.g >= p.kv_group) {  // the end of the walk, announced like a q tile
       if (p.tma_loads && t == 0) tma::arrive(sm.q_full(s));  // the arrival the copies' expect-tx would make
@@ -213,9 +216,7 @@ template <class C, class F, bool kDeterministic, class P>
 __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int batch, int hk, int kv0, int tid) {
   using S = bwd_wgmma::Shape<C>;
   using T = typename C::T;
-  using bwd_wgmma::hold;
   using bwd_wgmma::issue_regs_rows;
-  using bwd_wgmma::issue_rows_rows;
   constexpr int kBr = C::kBr, kBc = C::kBc, kLdS = S::kLdS, kNT = S::kNT;
   constexpr int kConsumerBarrier = 1;  // named barrier of the consumer threads (0 is __syncthreads)
 
@@ -224,21 +225,13 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   const int group = p.kv_group;
   const int warp_row0 = warp * 16;  // this warp's first kv row within the tile
 
-  const u64 k_a = wgmma::descriptor(sm.k + warpgroup * 64 * wgmma::kSwizzleBytes, 16, wgmma::kAtomBytes);
-  const u64 v_a = wgmma::advance(k_a, S::kKvBytes);
-  const u64 q_kmaj0 = wgmma::descriptor(sm.q, 16, wgmma::kAtomBytes);
-  const u64 do_kmaj0 = wgmma::advance(q_kmaj0, C::kStages * S::kQBytes);
-  const u64 q_nmaj0 = wgmma::descriptor(sm.q, kBr * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
-  const u64 do_nmaj0 = wgmma::advance(q_nmaj0, C::kStages * S::kQBytes);
-  const u64 k_nmaj = wgmma::descriptor(sm.k, kBc * wgmma::kSwizzleBytes, wgmma::kAtomBytes);
+  const bwd_wgmma::Descs<C> d(sm.k, sm.q, warpgroup);
   const int m0 = (warp % 4) * 16;  // this warp's q rows in dQ
   const u32 ds_a = smem_u32(sm.ds_ptr + ((lane / 16) * 8 + lane % 8) * kLdS + ((lane / 8) % 2) * 8 + m0);
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < S::kDTiles; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_dk[dt][i] = acc_dv[dt][i] = 0.f;
+  bwd_wgmma::zero_rows(acc_dk);
+  bwd_wgmma::zero_rows(acc_dv);
 
   const int kv_block = kv0 / p.kv_block_size;
   const int kv_in_block = kv0 - kv_block * p.kv_block_size;
@@ -247,6 +240,8 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
   int n = 0;
   for (;; ++n) {
     const int s = n & 1;
+    // q_ring().wait_full(RingPos::of(n)), written out: through the helper NVVM scheduled this loop
+    // differently (the cubins changed), which the loader's and the release's calls do not.
     tma::wait(sm.q_full(s), (n >> 1) & 1);
     const QTile cur = *sm.info(s);  // the loader's walk (one walk per CTA, in the loader)
     if (cur.g >= group) break;
@@ -258,41 +253,20 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     const float* delta_s = sm.delta + s * kBr;
 
     // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ behind it (kOverlapDp) ----
-    // From here to dK's issue the code is bwd_wgmma.cuh's, line for line. One function for both
-    // kernels changed both kernels' code and measured 2-3 % slower on several masks (NOTES.md
-    // §31): a change to one copy belongs in the other, with its cubins and timings checked.
+    // The steps are bwd_wgmma.cuh's functions, shared with the single-group kernel.
     float acc_s[1][kNT][4], acc_dp[1][kNT][4];
-    const auto issue_dp = [&] {
-      issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_dp[0], v_a, wgmma::advance(do_kmaj0, buf_off));
-      wgmma::commit();
-    };
-    wgmma::fence();
-    issue_rows_rows<kBr, S::kKSteps, kBc, T>(acc_s[0], k_a, wgmma::advance(q_kmaj0, buf_off));
-    wgmma::commit();
-    if constexpr (S::kOverlapDp) {
-      issue_dp();
-      wgmma::wait<1>();  // Sᵀ only
-    } else {
-      wgmma::wait<0>();
-    }
-    wgmma::pin(acc_s[0]);
+    bwd_wgmma::issue_s<C>(acc_s, acc_dp, d, buf_off);
 
     // ---- Pᵀ (bwd_common.cuh), packed for dV; acc_s keeps Pᵀ ∘ score_mod' for dSᵀ ----
     const bwd::ScoreTile<C> st = score_tile<C>(p, sm, s, cur, batch, head, kv0);
     u32 p_t[1][S::kQSteps][4];
-    const auto finish = [&](int nt, const float (&pf)[4], const float (&g)[4]) {
-      p_t[0][nt / 2][(nt % 2) * 2] = T::pack(pf[0], pf[1]);
-      p_t[0][nt / 2][(nt % 2) * 2 + 1] = T::pack(pf[2], pf[3]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = C::kHasScoreGrad ? pf[i] * g[i] : pf[i];
-    };
     if (st.plain(kv_tail)) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         float pf[4];
         const float one[4] = {1.f, 1.f, 1.f, 1.f};
         bwd::plain_probs(pf, acc_s[0][nt], lse_s, p.scale_log2, nt, (lane % 4) * 2);
-        finish(nt, pf, one);
+        bwd_wgmma::keep_p_t<C>(p_t, acc_s, nt, pf, one);
       }
     } else {
 #pragma unroll
@@ -300,50 +274,32 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
         float pf[4], g[4];
         bwd::masked_probs<C, F, !C::kFuseMask>(pf, g, acc_s[0][nt], p, st, kv_tail, batch, head, q0, kv0, kv_in_block,
                                                warp_row0, lse_s, nt, lane / 4, (lane % 4) * 2);
-        finish(nt, pf, g);
+        bwd_wgmma::keep_p_t<C>(p_t, acc_s, nt, pf, g);
       }
     }
 
     // ---- dV += Pᵀ dO ----
     wgmma::fence();
-    if constexpr (!S::kOverlapDp) issue_dp();
-    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(do_nmaj0, buf_off));
+    if constexpr (!S::kOverlapDp) bwd_wgmma::issue_dp<C>(acc_dp, d, buf_off);
+    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dv, p_t[0], wgmma::advance(d.do_nmaj0, buf_off));
     wgmma::commit();
 
-    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod' ----
-    wgmma::wait<1>();
-    wgmma::pin(acc_dp[0]);
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float d = delta_s[nt * 8 + (lane % 4) * 2 + (i % 2)];
-        acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - d);
-      }
+    // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta) ∘ score_mod', then dK += dSᵀ Q; dSᵀ to this tile's buffer for dQ ----
     u32 ds_t[1][S::kQSteps][4];
-    pack_a<T>(ds_t, acc_dp);
-
-    // ---- dK += dSᵀ Q; dSᵀ to this tile's buffer for dQ ----
-    wgmma::fence();
-    issue_regs_rows<C::kHeadDim, S::kQSteps, T>(acc_dk, ds_t[0], wgmma::advance(q_nmaj0, buf_off));
-    wgmma::commit();
+    bwd_wgmma::issue_dk<C>(acc_dk, ds_t, acc_dp, acc_s, delta_s, d, buf_off, lane);
     const u32 ds_off = s * kBc * kLdS * 2;
     bwd::store_ds_rows<kLdS>(sm.ds_ptr + s * kBc * kLdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
     // dSᵀ complete for dQ, which contracts over every consumer's kv rows. Two buffers: the one
     // written next (tile n + 1) was last read by every consumer's ldmatrix of tile n - 1, before
     // each of them arrived here for tile n.
     tma::named_sync(kConsumerBarrier, S::kConsumerThreads);
-    wgmma::wait<0>();
-    hold(p_t[0]);
-    hold(ds_t[0]);
-    wgmma::pin(acc_dk);
-    wgmma::pin(acc_dv);
+    bwd_wgmma::dk_dv_done<C>(p_t, ds_t, acc_dk, acc_dv);
     float dq_unit[2];  // deterministic: this lane's dQ rows' units, read before the stage goes back
     if constexpr (kDeterministic) {
       dq_unit[0] = sm.unit(s)[m0 + lane / 4];
       dq_unit[1] = sm.unit(s)[m0 + lane / 4 + 8];
     }
-    tma::arrive(sm.q_empty(s));  // Q, dO, LSE, delta (and units) of stage s are no longer read
+    sm.q_ring().release(pipe::RingPos::of(n));  // Q, dO, LSE, delta (and units) of stage s are no longer read
 
     // ---- dQ = dS K over every consumer's kv rows, this warpgroup's columns; staged for the writer ----
     u32 a_ds[S::kKvSteps][4];
@@ -353,18 +309,9 @@ __device__ __forceinline__ void consume(const P& p, const Layout<C>& sm, int bat
     for (int chunk = 0; chunk < S::kDqCols; chunk += S::kDqN) {
       const int col = warpgroup * S::kDqCols + chunk;  // first dQ column of this wgmma
       float acc_dq[S::kDqN / 8][4];
-#pragma unroll
-      for (int dt = 0; dt < S::kDqN / 8; ++dt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
-      wgmma::fence();
-      issue_regs_rows<S::kDqN, S::kKvSteps, T>(acc_dq, a_ds,
-                                               wgmma::advance(k_nmaj, (col / wgmma::kBlockCols) * kBc * wgmma::kSwizzleBytes));
-      wgmma::commit();
+      bwd_wgmma::issue_dq<C>(acc_dq, a_ds, d, col);
       if (chunk == 0) tma::wait(sm.dq_empty(), (n & 1) ^ 1);  // the writer has read tile n - 1's dQ
-      wgmma::wait<0>();
-      wgmma::pin(acc_dq);
-      hold(a_ds);
+      bwd_wgmma::dq_done<C>(acc_dq, a_ds);
       const int block = col / dq_tiles::kCols;
       if constexpr (kDeterministic) {
         bwd_wgmma::stage_dq<S::kDqN / 8, true>(sm.dq + block * dq_tiles::kFloats * 4, acc_dq, m0 + lane / 4,
@@ -398,14 +345,12 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, const P& maps, unsi
   static_assert(S::kWarpSpecialized, "a producer warpgroup and kBc / 64 consumer warpgroups");
   const Layout<C> sm(smem_raw);
   const int tid = threadIdx.x, warp = tid / 32;
-  const int batch = blockIdx.z, hk = blockIdx.y, kv0 = blockIdx.x * C::kBc;
+  const GridTile tile = grid_tile();  // one CTA per (kv tile, kv head, batch): tile_scheduler.cuh
+  const int batch = tile.batch, hk = tile.head, kv0 = tile.tile * C::kBc;
   if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      // every loader thread, its copies landed; with TMA loads also the expect-tx arrival
-      tma::barrier_init(sm.q_full(s), kLoadLanes + (p.tma_loads ? 1 : 0));
-      tma::barrier_init(sm.q_empty(s), S::kConsumerThreads);  // every consumer thread
-    }
+    // full: every loader thread, its copies landed (with TMA loads also the expect-tx arrival);
+    // empty: every consumer thread
+    sm.q_ring().init(kLoadLanes + (p.tma_loads ? 1 : 0), S::kConsumerThreads);
     tma::barrier_init(sm.kv_full(), kLoadLanes);
     tma::barrier_init(sm.dq_full(), S::kConsumerThreads);
     tma::barrier_init(sm.dq_empty(), 1);  // the writer's lane 0, its reductions' reads done

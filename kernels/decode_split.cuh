@@ -20,11 +20,13 @@
 // read: their rows are zero-filled, their scores masked, and a bad length or page id sets a bit
 // in p.errors. Expects, before inclusion: enum BlockType (kMasked, kCausal, kFull, kPartial) in
 // omni::decode, rendered from omnicupy/mask/types.py. The template supplies Cfg (kHeadDim, kBm,
-// kBc, kWarps, kStages, kThreads, kHasRule, kHasPartial, kHasScoreMod, Mma, score_mod) and the
+// kBc, kWarps, kStages, kThreads, kHasRule, kHasPartial, kHasScoreMod, Mma, and Hooks with kHasBias
+// for score_hooks.cuh) and the
 // parameter struct (DecodeParams, omnicupy/dispatch/params.py).
 #pragma once
 #include "decode_combine.cuh"
 #include "decode_tile.cuh"
+#include "score_hooks.cuh"
 
 namespace omni {
 namespace decode {
@@ -369,8 +371,8 @@ __device__ __forceinline__ void split_kv(const Params& p) {
             const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
             const int q_idx = p.q_abs ? row_pos[mt][i / 2] : row_pos[mt][i / 2] - c.shift;
             if ((t.valid >> col) & 1u)
-              acc_s[mt][nt][i] = Cfg::score_mod(acc_s[mt][nt][i] * p.scale, c.b, row_head[mt][i / 2], q_idx,
-                                                t.start + col, p);
+              acc_s[mt][nt][i] = ScoreHooks<Cfg>::transform(acc_s[mt][nt][i], c.b, row_head[mt][i / 2], q_idx,
+                                                            t.start + col, p);
           }
     }
 
@@ -403,15 +405,9 @@ __device__ __forceinline__ void split_kv(const Params& p) {
           }
           allowed[mt][half] = bits;
         }
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
-            if (!((allowed[mt][i / 2] >> col) & 1u)) acc_s[mt][nt][i] = neg_inf();
-          }
+      T::for_each_score(lane, [&](int mt, int nt, int i, int col) {
+        if (!((allowed[mt][i / 2] >> col) & 1u)) acc_s[mt][nt][i] = neg_inf();
+      });
     }
 
     // ---- online softmax, O += P V

@@ -38,6 +38,17 @@ struct Tile {
   static __device__ __forceinline__ int k_lane(int lane) { return ((lane / 16) * 8 + lane % 8) * kLd + ((lane / 8) % 2) * 8; }
   static __device__ __forceinline__ int v_lane(int lane) { return (((lane / 8) % 2) * 8 + lane % 8) * kLd + (lane / 16) * 8; }
 
+  // Calls f(mt, nt, i, col) for every score acc_s[mt][nt][i] this lane holds; col: its key within the tile.
+  template <class F>
+  static __device__ __forceinline__ void for_each_score(int lane, F f) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f(mt, nt, i, nt * 8 + (lane % 4) * 2 + (i % 2));
+  }
+
   // ---- S = Q Kᵀ (q_addr / k_addr: this lane's shared addresses for fragment (0, 0, 0)), over the
   // k16 steps that hold real columns
   static __device__ __forceinline__ void qk(S& acc_s, u32 q_addr, u32 k_addr) {

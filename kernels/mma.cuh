@@ -11,7 +11,24 @@
 
 namespace omni {
 
+// d += a * b on fp16 (kBf16 false) or bf16 inputs.
+template <bool kBf16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#define OMNI_MMA_M16N8K16(TYPE)                                                          \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                     \
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (kBf16) {
+    OMNI_MMA_M16N8K16("bf16");
+  } else {
+    OMNI_MMA_M16N8K16("f16");
+  }
+#undef OMNI_MMA_M16N8K16
+}
+
 struct Fp16 {
+  using Storage = u16;  // one element in memory (element.cuh: the traits every operand names)
   // Two floats -> one register of two fp16, `lo` in the low half (column 2t), round to nearest.
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
@@ -24,29 +41,18 @@ struct Fp16 {
     return f;
   }
   // d += a * b
-  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { mma_m16n8k16<false>(d, a, b0, b1); }
 };
 
 struct Bf16 {
+  using Storage = u16;
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
   }
   static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(static_cast<u32>(x) << 16); }
-  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { mma_m16n8k16<true>(d, a, b0, b1); }
 };
 
 }  // namespace omni

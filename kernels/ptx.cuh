@@ -134,6 +134,16 @@ __device__ __forceinline__ bool real_chunk(int ch) {
   return Cfg::kHeadDimValid == Cfg::kHeadDim || ch < Cfg::kHeadDimValid / 8;
 }
 
+// The same for chunks of kElems elements (8 of 16 bits, 16 of fp8).
+template <class Cfg, int kElems>
+__device__ __forceinline__ bool real_chunk_of(int ch) {
+  if constexpr (kElems == 8) {
+    return real_chunk<Cfg>(ch);
+  } else {
+    return Cfg::kHeadDimValid == Cfg::kHeadDim || ch < Cfg::kHeadDimValid / kElems;
+  }
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }

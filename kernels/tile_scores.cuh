@@ -1,5 +1,5 @@
 // Per-score work on one tile of S = Q Kᵀ held in the m16n8 accumulator layout: the score transform
-// (scale, additive bias, a score modifier) and the mask (causal diagonal, stored partial bits or a
+// (score_hooks.cuh: scale, additive bias, a score modifier) and the mask (causal diagonal, stored partial bits or a
 // fused mask expression, sequence tails), applied before the softmax statistics see the scores.
 //
 // Layout (PTX ISA, mma.m16n8k16): lane l holds rows l/4 and l/4 + 8 of each m16 tile and columns
@@ -7,6 +7,7 @@
 #pragma once
 #include "block_walk.cuh"
 #include "mma.cuh"
+#include "score_hooks.cuh"
 
 namespace omni {
 
@@ -53,33 +54,6 @@ __device__ __forceinline__ void transform_scores(float (&acc_s)[kMTiles][kNTiles
   });
 }
 
-// Bias element types (Cfg::kBias).
-enum BiasKind : int { kNoBias = 0, kBiasFp16 = 1, kBiasBf16 = 2, kBiasFp32 = 3 };
-
-// One bias element as float; the bias may be fp16, bf16 or fp32 whatever the inputs are.
-template <int kBias>
-__device__ __forceinline__ float load_bias(const void* p, i64 offset) {
-  if constexpr (kBias == kBiasFp32) {
-    return __ldg(static_cast<const float*>(p) + offset);
-  } else if constexpr (kBias == kBiasFp16) {
-    return Fp16::to_float(__ldg(static_cast<const u16*>(p) + offset));
-  } else {
-    return Bf16::to_float(__ldg(static_cast<const u16*>(p) + offset));
-  }
-}
-
-// scale, bias, then the user's score modifier (Cfg::ScoreMod, a functor rendered from the
-// expression), for one score at absolute (q_idx, kv_idx).
-template <class Cfg, class Params>
-__device__ __forceinline__ float transform_score(const Params& p, float s, int b, int h, int q_idx, int kv_idx) {
-  s *= p.scale;
-  if constexpr (Cfg::kBias != kNoBias) {
-    s += load_bias<Cfg::kBias>(p.bias, b * p.bias_sb + h * p.bias_sh + q_idx * p.bias_sq + kv_idx * p.bias_sk);
-  }
-  if constexpr (Cfg::kHasScoreMod) s = typename Cfg::ScoreMod{}(p, s, b, h, q_idx, kv_idx);
-  return s;
-}
-
 // The whole per-score phase of one kv tile: transform (when the variant has per-score work), then
 // the mask this tile's block type needs. FULL tiles (and CAUSAL tiles wholly below the diagonal)
 // need no element work unless they cross the end of the sequence.
@@ -89,7 +63,7 @@ __device__ __forceinline__ void score_tile(float (&acc_s)[Cfg::kMTiles][Cfg::kNT
   constexpr int kBr = Cfg::kBr, kBc = Cfg::kBc, kMTiles = Cfg::kMTiles;
   if constexpr (Cfg::kTransformScores) {
     const auto transform = [&](float s, int q_idx, int kv_idx) {
-      return transform_score<Cfg>(p, s, at.batch, at.head, q_idx, kv_idx);
+      return ScoreHooks<Cfg>::transform(s, at.batch, at.head, q_idx, kv_idx, p);
     };
     if (cur.start + kBc > p.kv_len || at.q0 + kBr > p.q_len) {
       transform_scores<true>(acc_s, at.q_row0, cur.start, p.q_len, p.kv_len, at.lane, transform);
@@ -104,7 +78,7 @@ __device__ __forceinline__ void score_tile(float (&acc_s)[Cfg::kMTiles][Cfg::kNT
     if constexpr (Cfg::kFusedMask) {
       // The mask's own expression instead of its stored bits (identical by construction).
       mask_scores(acc_s, at.q_row0, cur.start, p.kv_len, lane, [&](int q_idx, int kv_idx, int, int, int) {
-        return q_idx < p.q_len && typename Cfg::MaskExpr{}(p, at.batch, at.head, q_idx, kv_idx);
+        return q_idx < p.q_len && ScoreHooks<Cfg>::mask(at.batch, at.head, q_idx, kv_idx, p);
       });
     } else {
       const int pidx = __ldg(p.partial_index + at.mask_row * p.max_blocks + cur.entry);
