@@ -15,7 +15,7 @@ import pytest
 
 from omnicupy.dispatch import params
 from omnicupy.dispatch.abi import AbiError, Param, ParamStruct
-from omnicupy.jit.compiler import _nvrtc
+from omnicupy.jit.compiler import compile_ptx
 from omnicupy.mask.types import BlockType, cpp_enum
 from omnicupy.jit import env
 
@@ -23,13 +23,7 @@ STRUCTS = sorted(params.STRUCTS.items())
 
 
 def _ptx(source: str, name: str) -> str:
-    nvrtc = _nvrtc()
-    prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=compute_80", "-std=c++17"])
-        return nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) else nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    return compile_ptx(source, name=name, arch="compute_80")
 
 
 @pytest.mark.parametrize("operation, struct_", STRUCTS, ids=[op for op, _ in STRUCTS])

@@ -223,15 +223,9 @@ def test_decode_variant_validation():
 # --------------------------------------------------------------------------------- ABI and compiles
 def _param_offsets(struct, name):
     """The byte offsets at which the PTX of the struct's probe kernel reads its parameter."""
-    from cupy_backends.cuda.libs import nvrtc
+    from omnicupy.jit.compiler import compile_ptx
 
-    prog = nvrtc.createProgram(struct.probe_kernel(name), f"{name}.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=compute_80", "-std=c++17"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    ptx = compile_ptx(struct.probe_kernel(name), name=name, arch="compute_80")
     found = set()
     # ld.param[.v2|.v4].<type><bits> {..}, [name_param_0+off]: a vector load reads consecutive fields
     for m in re.finditer(rf"ld\.param(?:\.v(\d))?\.[a-z](\d+)\s+[^\[]*\[{name}_param_0(?:\+(\d+))?\]", ptx):

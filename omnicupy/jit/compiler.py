@@ -127,6 +127,24 @@ def _text(log: bytes) -> str:
     return log.rstrip(b"\0").decode("utf-8", errors="replace")
 
 
+def compile_ptx(source: str, *, name: str, arch: str = "compute_80", options: Sequence[str] = ("-std=c++17",)) -> str:
+    """Compile ``source`` to PTX text for a virtual ``arch`` (the parameter-struct probes read their
+    offsets from it). Raises CompileError carrying the NVRTC log."""
+    nvrtc = _nvrtc()
+    (prog,) = _call("nvrtcCreateProgram", nvrtc.nvrtcCreateProgram, source.encode(), f"{name}.cu".encode(), 0, [],
+                    [])
+    try:
+        encoded = [o.encode() for o in (f"-arch={arch}", *options)]
+        try:
+            _call("nvrtcCompileProgram", nvrtc.nvrtcCompileProgram, prog, len(encoded), encoded)
+        except _NvrtcStatus as exc:
+            log = _bytes_out("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog)
+            raise CompileError(f"NVRTC failed to compile {name} to PTX ({exc.status.name}).\n{_text(log)}") from None
+        return _text(_bytes_out("nvrtcGetPTX", nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog))
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 def compile_cubin(
     source: str,
     *,
