@@ -117,7 +117,7 @@ def measure(build: Callable[[], Any], *, sync: Callable[[], None], repeat: int,
     """Wall times in ms of ``build()``: until the device is idle, and until the call returned; and the
     minor page faults of each build. Fresh pages of large temporaries can cost more than the
     arithmetic done in them, and whether a build meets fresh pages depends on the allocator's state
-    (NOTES.md §19): the faults say which regime a row was timed in."""
+    (lab/notes/masks.md#s19): the faults say which regime a row was timed in."""
     for _ in range(warmup):
         build()
     total, returned, faults = [], [], []

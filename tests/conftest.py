@@ -1,4 +1,15 @@
-"""Shared fixtures. GPU tests carry the `gpu` marker and skip cleanly without a usable GPU.
+"""Shared fixtures and the layout of tests/. GPU tests carry the `gpu` marker and skip cleanly without
+a usable GPU.
+
+Layout (where a new file goes):
+- ``tests/cpu/test_*.py``: runs without a GPU (CI runs these); a few cases may still carry ``gpu``.
+- ``tests/gpu/test_*_gpu.py``: needs an NVIDIA GPU; every test marked ``gpu`` (``pytest -m gpu``).
+- ``tests/sanitize/sanitize_*.py``: scripts for compute-sanitizer, run by hand on a GPU (not collected).
+- ``tests/support/*.py``: helpers and case tables shared by the above (``from helpers import ...``
+  works everywhere: this file puts tests/support on the import path, and the scripts in sanitize/
+  do the same).
+Test files added at tests/ top level are collected too; move them into cpu/ or gpu/ by that rule.
+Module basenames must stay unique across the folders (pytest's default import mode).
 
 Which omnicupy is tested: the one these tests import. Once omnicupy is installed (not editable), that
 must be the installed copy, so that a packaging mistake (a missing template, header or module) fails
@@ -19,8 +30,13 @@ from typing import Callable
 
 import pytest
 
-import omnicupy
-from omnicupy import arrays
+#: tests/support: the shared helpers and case tables, importable by bare name from every test folder.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+import omnicupy  # noqa: E402
+from omnicupy import arrays  # noqa: E402
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 #: The folder that holds the omnicupy package under test: site-packages, or the source tree.
