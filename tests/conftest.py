@@ -71,6 +71,33 @@ def pytest_configure(config):
         pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per CPU, at most 8 (the workers share one GPU where there is one)."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def session_folder(tmp_path_factory) -> Path:
+    """A folder that every xdist worker of this session shares (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compiles(tmp_path_factory):
+    """Every NVRTC compile of the session goes through one memo (tests/support/compile_memo.py): a
+    kernel that several tests build is compiled once, by whichever worker asks first."""
+    from compile_memo import CompileMemo
+
+    from omnicupy import jit
+    from omnicupy.jit import compiler
+
+    memo = CompileMemo(session_folder(tmp_path_factory) / "nvrtc-memo", compiler.compile_cubin)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "compile_cubin", memo)
+        patch.setattr(jit, "compile_cubin", memo)
+        yield memo
+
+
 def pytest_collection_modifyitems(config, items):
     if arrays.gpu_available():
         return

@@ -19,7 +19,7 @@ from omnicupy.dispatch.variant import (ACCEPTED_HEAD_DIMS, SUPPORTED_HEAD_DIMS, 
                                        tile_head_dim)
 from omnicupy.errors import ArgumentError, HeadDimError, VariantError
 from omnicupy.jit import env
-from omnicupy.jit.compiler import compile_cubin
+from omnicupy.jit import compiler
 from omnicupy.jit.render import render_source
 from omnicupy.ops import decode
 from omnicupy.ops.inputs import check_qkv
@@ -173,7 +173,7 @@ def _spills(log: str) -> list[int]:
 
 
 def _compile(variant: Variant, arch: str, kernels_dir=None):
-    return compile_cubin(render_source(variant), name=variant.name, arch=arch,
+    return compiler.compile_cubin(render_source(variant), name=variant.name, arch=arch,
                          include_dirs=[kernels_dir or env.kernels_dir()])
 
 
