@@ -32,7 +32,26 @@ def test_every_subpackage_is_listed(pyproject):
     mapped = pyproject["tool"]["setuptools"]["package-dir"]
     assert {"omnicupy.kernels": "kernels", "omnicupy.templates": "templates",
             "omnicupy.benchmarks": "benchmarks"}.items() <= mapped.items()
-    assert {"omnicupy.kernels", "omnicupy.templates", "omnicupy.benchmarks"} <= listed
+    assert {"omnicupy.kernels", "omnicupy.templates"} <= listed
+
+
+def test_only_the_benchmark_harness_ships(pyproject):
+    """benchmarks/ ships as omnicupy.benchmarks for `omnicupy bench`, but only run.py and the modules it
+    imports (relative imports, followed): no bench scripts, no tuning scripts, no results."""
+    shipped = {m.rsplit(".", 1)[1] for m in pyproject["tool"]["setuptools"]["py-modules"]
+               if m.startswith("omnicupy.benchmarks.")}
+    needed, todo = set(), ["run"]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        text = (REPO / "benchmarks" / f"{name}.py").read_text()
+        for group in re.findall(r"^\s*from \. import ([\w, ]+)", text, re.M):
+            todo += [n.strip() for n in group.split(",")]
+        todo += re.findall(r"^\s*from \.(\w+) import", text, re.M)
+    assert shipped == needed, f"ship exactly the harness: {sorted(needed)}, pyproject lists {sorted(shipped)}"
+    assert "omnicupy.benchmarks" not in pyproject["tool"]["setuptools"]["packages"]  # that would ship every .py
 
 
 def test_one_version_source(pyproject):
