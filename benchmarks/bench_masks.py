@@ -398,7 +398,8 @@ def main(argv=None) -> None:
         env.update(torch=torch.__version__)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
+            json.dump(dict(environment=env, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rows=rows), f,
+                      indent=1)  # the date: tools/standing.py
     print()
     print(", ".join(f"{k}={v}" for k, v in env.items()))
     print_table(rows)
