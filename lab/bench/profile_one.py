@@ -20,7 +20,8 @@ import cupy as cp  # noqa: E402
 from omnicupy.dispatch.arch import has_wgmma
 import omnicupy  # noqa: E402
 from benchmarks import _cases  # noqa: E402
-from omnicupy import BlockMask, jit, tiles  # noqa: E402
+from omnicupy import BlockMask, jit  # noqa: E402
+from omnicupy.dispatch import tiles  # noqa: E402
 
 
 def main():
