@@ -141,7 +141,7 @@ TABLE_HEADER = ["mask", "D", "N", "dtype", "density", *(h for h, _ in TABLE_SYST
 
 
 def format_table(rows: list[dict], errors: Iterable[dict] = ()) -> str:
-    """A Markdown table (readable in a terminal, pasteable into BENCHMARKS.md), TFLOP/s per system.
+    """A Markdown table (readable in a terminal, pasteable into docs/performance.md), TFLOP/s per system.
 
     Cells: a number, WRONG (failed the correctness check, not timed), err (raised), - (not run)."""
     body = table_rows(rows, errors)

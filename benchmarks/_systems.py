@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _cases, _report
 
-#: Relative Frobenius error allowed against the float64 reference (DESIGN.md §1).
+#: Relative Frobenius error allowed against the float64 reference (docs/design.md, Semantics).
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}
 #: The same for each gradient of the backward passes (every system rounds P and dS to 16 bits).
 GRAD_TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2}
@@ -218,7 +218,7 @@ def make_inputs(gpu: Gpu, case: _cases.Case, seed: int) -> Inputs:
 def device_normal(cp, shape, dtype, rng, chunk: int = 1 << 24):
     """Unit normals of ``dtype`` drawn on the device by ``rng`` (a CuPy Generator) in chunks of
     ``chunk`` elements: no float32 copy of a multi-GB array, and one launch per chunk rather than per
-    row of a packed [total, H, D] array (the decode benchmark, tools/dev/dec_prefill.py and the
+    row of a packed [total, H, D] array (the decode benchmark, lab/tools/dec_prefill.py and the
     bench-sized decode tests draw their caches with it)."""
     out = cp.empty(shape, dtype=dtype)
     flat = out.reshape(-1)
@@ -479,6 +479,24 @@ def time_ms(fn: Callable[[int], Any], copies: int, clock: Clock, warmup: int, re
         stop.record()
     clock.sync()
     return _report.median(clock.elapsed_ms(s, e) for s, e in events)
+
+
+def cupy_time_ms(fn: Callable[[], Any], warmup: int = 3, reps: int = 10) -> float:
+    """Median of ``reps`` CuPy-event-timed calls of ``fn()`` after ``warmup`` calls, each synchronized
+    (the scripts that time one call at a time: bench_features.py and the lab's tuning scripts)."""
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
 
 
 # --------------------------------------------------------------------------- one run

@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from omnicupy import jit, tiles  # noqa: E402
+from omnicupy import jit  # noqa: E402
+from omnicupy.dispatch import tiles  # noqa: E402
 from omnicupy.errors import CompileError  # noqa: E402
 from omnicupy.jit import DiskCache  # noqa: E402
 from omnicupy.jit.compiler import nvrtc_version  # noqa: E402

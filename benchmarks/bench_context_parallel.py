@@ -1,6 +1,6 @@
 """Context parallelism on 2 or 4 GPUs against one GPU: forward and forward+backward time, speedup,
 bytes sent per rank and the fraction of communication hidden under compute, for issue 39's mask
-families (tests/distributed_cases.py).
+families (tests/support/distributed_cases.py).
 
     NCCL_NVLS_ENABLE=0 python benchmarks/bench_context_parallel.py --gpus 4 --out cp4.json    # every family
     NCCL_NVLS_ENABLE=0 python benchmarks/bench_context_parallel.py --gpus 2 --out cp2.json
@@ -45,7 +45,7 @@ TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2}
 
 
 def mask_mod(name: str, n: int):
-    """The mask_mod of a family (tests/distributed_cases.py: 64 global tokens, 2048 windows, ...)."""
+    """The mask_mod of a family (tests/support/distributed_cases.py: 64 global tokens, 2048 windows, ...)."""
     return family_mod(name, n)
 
 

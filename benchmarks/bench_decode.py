@@ -592,7 +592,8 @@ def main(argv=None) -> int:
             continue
         step()
         if args.json:  # after every part: a later failure keeps what was measured
-            doc = {"device": gpu.name, "rows": [{**r.__dict__, "tbs": r.tbs} for r in run.rows]}
+            doc = {"device": gpu.name, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # tools/standing.py
+                   "rows": [{**r.__dict__, "tbs": r.tbs} for r in run.rows]}
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1, default=float)
     print(summary(run.rows))

@@ -117,7 +117,7 @@ def measure(build: Callable[[], Any], *, sync: Callable[[], None], repeat: int,
     """Wall times in ms of ``build()``: until the device is idle, and until the call returned; and the
     minor page faults of each build. Fresh pages of large temporaries can cost more than the
     arithmetic done in them, and whether a build meets fresh pages depends on the allocator's state
-    (NOTES.md §19): the faults say which regime a row was timed in."""
+    (lab/notes/masks.md#s19): the faults say which regime a row was timed in."""
     for _ in range(warmup):
         build()
     total, returned, faults = [], [], []
@@ -398,7 +398,8 @@ def main(argv=None) -> None:
         env.update(torch=torch.__version__)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
+            json.dump(dict(environment=env, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rows=rows), f,
+                      indent=1)  # the date: tools/standing.py
     print()
     print(", ".join(f"{k}={v}" for k, v in env.items()))
     print_table(rows)

@@ -15,7 +15,7 @@ per call. Forward and backward results are checked against float64 references be
 ``--cpu`` times what runs without a GPU: the first call's checks and plan, packing a struct by
 name, and the steady state's pieces (the switch snapshot, the call's key, writing the pointers
 into the recipe's buffer and handing it to a launch route that does nothing). It asserts nothing
-about time: CI runs it as a report (tests/test_bench_overhead.py).
+about time: CI runs it as a report (tests/cpu/test_bench_overhead.py).
 """
 from __future__ import annotations
 

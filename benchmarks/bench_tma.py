@@ -1,4 +1,4 @@
-"""The tma family against the wgmma family, one process (NOTES.md §12).
+"""The tma family against the wgmma family, one process (lab/notes/forward.md#s12).
 
     PYTHONPATH=. python benchmarks/bench_tma.py [--head-dims 64,128] [--seq-len 8192]
     PYTHONPATH=. python benchmarks/bench_tma.py --precompile   # build the kernels below and the GPU tests'
@@ -7,7 +7,7 @@ Times fp16 full and causal attention, B = 2, H = 16, for the wgmma family's tune
 family's three pipelines (plain, overlap, ping-pong) on the same inputs, interleaved over rounds
 (best round kept), with CUDA events around a batch of calls; effective TFLOP/s = 4 B H pairs D / t.
 Each configuration's output is first compared with the wgmma family's. --precompile builds every
-kernel this script and tests/test_tma_gpu.py, tests/sanitize_variants.py (--families tma) use,
+kernel this script and tests/gpu/test_tma_gpu.py, tests/sanitize/sanitize_variants.py (--families tma) use,
 in parallel processes, so that the timed and sanitized runs do not compile.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def planned(name, head_dim, arrays, **kw):
 
 
 def variants_to_build(head_dims) -> list:
-    """Every kernel the timing, tests/test_tma_gpu.py and sanitize_variants.py --families tma run."""
+    """Every kernel the timing, tests/gpu/test_tma_gpu.py and sanitize_variants.py --families tma run."""
     from omnicupy import BlockMask, score_mods
 
     out = set(tiles.shipped_variants(families=("tma",)))

@@ -11,8 +11,8 @@ pairs counted exactly from the element mask. ``--pass bwd`` times the backward a
 q, k, v from a saved forward; checked against float64 gradients of two heads; FLOPs 2.5x the
 forward's), ``--pass fwdbwd`` both (3.5x); ``--systems ...,omnicupy_det`` adds omnicupy's backward
 with deterministic=True. Writes <out>/results.json (after every row),
-<out>/results.md, <out>/chart.png, and benchmarks/results/latest.json; prints the table last.
-See BENCHMARKS.md.
+<out>/results.md, <out>/chart.png, and benchmarks/results/runs/latest.json; prints the table last.
+See lab/benchmark-history.md.
 """
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ if __package__ in (None, ""):  # run as `python benchmarks/run.py`: make the rep
 # Relative: the harness also runs installed, as omnicupy.benchmarks.run (`omnicupy bench`).
 from . import _cases, _report  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Each run's folder and latest.json (the last run of this checkout, by construction): scratch, not
+#: committed. The committed standing is one file per benchmark in results/ (tools/standing.py).
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "runs"
 #: Explicit flags win over --quick.
 QUICK = {"seq_lens": (4096,), "head_dims": (128,), "dtypes": ("fp16",), "warmup": 3, "rep": 10}
 DEFAULTS = {"masks": _cases.MASK_NAMES, "seq_lens": _cases.DEFAULT_SEQ_LENS, "head_dims": _cases.HEAD_DIMS,
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to time: fwd (default), bwd (the backward from a saved forward), fwdbwd (both)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: N=4096, D=128, fp16, all masks, 3 warm-up / 10 timed calls (explicit flags win)")
-    p.add_argument("--out", help="output folder (default benchmarks/results/<UTC time>)")
+    p.add_argument("--out", help="output folder (default benchmarks/results/runs/<UTC time>)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the correctness check (rows then have correct: null)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and mask densities (CPU only) and exit")

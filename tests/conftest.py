@@ -1,4 +1,15 @@
-"""Shared fixtures. GPU tests carry the `gpu` marker and skip cleanly without a usable GPU.
+"""Shared fixtures and the layout of tests/. GPU tests carry the `gpu` marker and skip cleanly without
+a usable GPU.
+
+Layout (where a new file goes):
+- ``tests/cpu/test_*.py``: runs without a GPU (CI runs these); a few cases may still carry ``gpu``.
+- ``tests/gpu/test_*_gpu.py``: needs an NVIDIA GPU; every test marked ``gpu`` (``pytest -m gpu``).
+- ``tests/sanitize/sanitize_*.py``: scripts for compute-sanitizer, run by hand on a GPU (not collected).
+- ``tests/support/*.py``: helpers and case tables shared by the above (``from helpers import ...``
+  works everywhere: this file puts tests/support on the import path, and the scripts in sanitize/
+  do the same).
+Test files added at tests/ top level are collected too; move them into cpu/ or gpu/ by that rule.
+Module basenames must stay unique across the folders (pytest's default import mode).
 
 Which omnicupy is tested: the one these tests import. Once omnicupy is installed (not editable), that
 must be the installed copy, so that a packaging mistake (a missing template, header or module) fails
@@ -19,8 +30,13 @@ from typing import Callable
 
 import pytest
 
-import omnicupy
-from omnicupy import arrays
+#: tests/support: the shared helpers and case tables, importable by bare name from every test folder.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+import omnicupy  # noqa: E402
+from omnicupy import arrays  # noqa: E402
 
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 #: The folder that holds the omnicupy package under test: site-packages, or the source tree.
@@ -53,6 +69,33 @@ def pytest_configure(config):
     problem = shadowed_installation()
     if problem:
         pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per CPU, at most 8 (the workers share one GPU where there is one)."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+def session_folder(tmp_path_factory) -> Path:
+    """A folder that every xdist worker of this session shares (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compiles(tmp_path_factory):
+    """Every NVRTC compile of the session goes through one memo (tests/support/compile_memo.py): a
+    kernel that several tests build is compiled once, by whichever worker asks first."""
+    from compile_memo import CompileMemo
+
+    from omnicupy import jit
+    from omnicupy.jit import compiler
+
+    memo = CompileMemo(session_folder(tmp_path_factory) / "nvrtc-memo", compiler.compile_cubin)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "compile_cubin", memo)
+        patch.setattr(jit, "compile_cubin", memo)
+        yield memo
 
 
 def pytest_collection_modifyitems(config, items):

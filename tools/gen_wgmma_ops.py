@@ -2,7 +2,7 @@
 
 A wgmma instruction names every accumulator register (N/2 of them for m64nNk16 with fp32
 accumulation), so each shape needs its own asm statement; writing 32 of those by hand invites
-typos. Run ``python tools/gen_wgmma_ops.py`` after changing SHAPES; tests/test_compile.py checks
+typos. Run ``python tools/gen_wgmma_ops.py`` after changing SHAPES; tests/cpu/test_compile.py checks
 that the checked-in header matches this script's output.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ static_assert of its size and alignment, so NVRTC refuses a kernel whose struct 
 Python's), and ``pack(values)`` lays out the launch bytes by field name, following the same C
 layout rules (each field at a multiple of its alignment, the size rounded up to the largest).
 NVRTC has no offsetof; ``probe_kernel`` renders a kernel whose PTX shows every field's offset,
-which tests/test_abi.py compares with Python's for every operation's struct.
+which tests/cpu/test_abi.py compares with Python's for every operation's struct.
 
 This module knows C layout and nothing of attention; the structs themselves are in params.py.
 """
@@ -140,7 +140,7 @@ class ParamStruct:
     def probe_kernel(self, name: str) -> str:
         """CUDA source of a kernel that reads every field once, in order, into ``out``. NVRTC has no
         offsetof, so the field offsets are proved from the PTX of this kernel instead: each field
-        is one ``ld.param`` at ``[<param>+offset]`` (tests/test_abi.py)."""
+        is one ``ld.param`` at ``[<param>+offset]`` (tests/cpu/test_abi.py)."""
         reads = []
         for p in self.params:
             for i in range(p.count):

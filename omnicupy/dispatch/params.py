@@ -187,7 +187,7 @@ FORWARD_TMA = ParamStruct("FwdTmaParams", FORWARD.params + (
     Param("v_map", "tmap", doc="v as (D, Nkv, Hkv, B), box (64, bc, 1, 1)"),
 ))
 
-#: Every struct by name (tests/test_abi.py proves each one's layout against NVRTC); an operation's
+#: Every struct by name (tests/cpu/test_abi.py proves each one's layout against NVRTC); an operation's
 #: name keys its own struct (Variant.operation).
 STRUCTS = {"forward": FORWARD, "forward_tma": FORWARD_TMA, "backward": BACKWARD, "decode": DECODE, "combine": COMBINE}
 #: (operation, family) whose kernels take a struct other than their operation's.

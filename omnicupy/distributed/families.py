@@ -7,7 +7,7 @@ sequences of N/16, Flamingo-like cross attention, random blocks at 10 % and 50 %
 evaluate elements: a block is listed when some row of its q block reaches it (FULL, CAUSAL on the
 diagonal of causal families), which is exact at the block level for every family but the image
 gaps of the cross attention (taken as causal text). The tests build the same families element by
-element (tests/distributed_cases.py); this module exists so that ``python -m
+element (tests/support/distributed_cases.py); this module exists so that ``python -m
 omnicupy.distributed.model --families`` runs in seconds on a laptop.
 """
 from __future__ import annotations
