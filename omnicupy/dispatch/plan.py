@@ -18,7 +18,7 @@ from ..jit import env
 from ..mask import BlockMask, cdiv
 from ..mask.builders import reblocked
 from . import schedule, tiles
-from .arch import has_wgmma, sm_count
+from .arch import runs_family, sm_count
 from .variant import Variant
 
 MAX_GRID_YZ = 65535
@@ -81,7 +81,7 @@ def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
                 f"blocks" + (" (no P V overlap: per-score extras need its registers)" if extras else ""))
     if family == "sync":
         return "mma.sync: OMNICUPY_MMA=sync"
-    if arch is None or not has_wgmma(arch):
+    if not runs_family(arch, "wgmma"):
         return f"mma.sync: wgmma needs sm_90 (device arch {arch or 'unknown'})"
     return (f"mma.sync: no wgmma tile for head_dim {variant.real_head_dim}, stages {variant.stages} and these "
             f"block sizes (wgmma: head_dim 40..64, 104..128 or 136..256, stages 2, q blocks a multiple of 64)")
