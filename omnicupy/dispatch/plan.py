@@ -19,6 +19,7 @@ from ..mask import BlockMask, cdiv
 from ..mask.builders import reblocked
 from . import schedule, tiles
 from .arch import runs_family, sm_count
+from .specs.base import Launch
 from .variant import Variant
 
 MAX_GRID_YZ = 65535
@@ -44,6 +45,12 @@ class Plan:
     #: The mask the launch reads when it is not the caller's: a rule mask re-blocked for the tile
     #: (builders.reblocked, kept on the caller's mask); None: the caller's mask.
     block_mask: Optional[BlockMask] = None
+    #: Every launch of the call, in order (the slot's launches; default: the main launch alone).
+    launches: tuple[Launch, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.launches:
+            object.__setattr__(self, "launches", (Launch(self.variant.name, self.grid, self.block, self.smem_bytes),))
 
     @property
     def operation(self) -> str:

@@ -22,10 +22,31 @@ from .specs.backward_sync import (BACKWARD_FALLBACKS, BACKWARD_FEATURE_TILES, BA
 from .specs.backward_wgmma import WGMMA_BACKWARD_FALLBACK, WGMMA_BACKWARD_TILES, WGMMA_BWD_AUTO_HEAD_DIMS
 from .specs.base import Tile
 from .specs.forward_sync import DEFAULT_STAGES, FALLBACKS, FEATURE_TILES, TUNED, select_tile  # noqa: F401
-from .specs.forward_tma import (TMA_AUTO_CAUSAL_HEAD_DIMS, TMA_AUTO_HEAD_DIMS, TMA_BLOCK_TILES,  # noqa: F401
-                                TMA_FALLBACKS, TMA_RULE_TILES, TMA_TUNED, RuleTile, auto_picks_tma)
+from .specs.forward_tma import TMA_BLOCK_TILES, TMA_FALLBACKS, TMA_RULE_TILES, TMA_TUNED, RuleTile  # noqa: F401
 from .specs.forward_wgmma import WGMMA_FALLBACKS, WGMMA_TUNED
 from .variant import SUPPORTED_HEAD_DIMS, Variant, check_head_dim, tile_head_dim
+
+
+#: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
+#: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
+#: at D = 64 it measured 3-5 % slower before its CTAs were persistent (§12), and now wins only on
+#: masks with CAUSAL blocks (TMA_AUTO_CAUSAL_HEAD_DIMS below).
+TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
+#: Head dims for which auto picks the tma family only for masks with CAUSAL blocks and no per-score
+#: work or fused mask expression. D = 64, measured on the H200 (NOTES.md §24, benchmarks.run, fp16,
+#: N = 8192, two rounds each): causal +6-9 %, prefix-LM +4-5 %, interleaved +7 %, sliding window and
+#: documents -1 to -1.5 % (noise level); without CAUSAL blocks the wgmma family stays: random block
+#: masks -6 % on tma, full attention within the noise.
+TMA_AUTO_CAUSAL_HEAD_DIMS: frozenset[int] = frozenset({64})
+
+
+def auto_picks_tma(hopper_dim: int, causal: bool, extras: bool = False, mask_expr: Optional[tuple] = None) -> bool:
+    """Whether OMNICUPY_MMA=auto takes the tma family for a forward variant on sm_90: the measured
+    head dims (TMA_AUTO_HEAD_DIMS), and TMA_AUTO_CAUSAL_HEAD_DIMS where the mask has CAUSAL blocks
+    and the variant neither transforms scores (``extras``) nor evaluates a fused mask."""
+    if hopper_dim in TMA_AUTO_HEAD_DIMS:
+        return True
+    return hopper_dim in TMA_AUTO_CAUSAL_HEAD_DIMS and causal and not extras and mask_expr is None
 
 
 @contextlib.contextmanager

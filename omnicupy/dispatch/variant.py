@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from ..errors import HeadDimError, VariantError
 from ..mask import expressions
-from .arch import build_target, caps, runs_family
+from .arch import ARCHS, build_target, caps, runs_family
 from .specs import SPECS, KernelSpec, spec_for
 from .specs.backward_sync import (BWD_BOUND_ROWS, BWD_ROW_WARPS, bwd_column_parts, bwd_dq_row_warps,  # noqa: F401
                                   bwd_parts_error, row_kernel_rows)
@@ -208,8 +208,9 @@ class Variant:
         """The arch to compile for on a device of ``arch`` (the wgmma families: its arch-specific target)."""
         target = build_target(arch, self.family)
         if target is None:
-            raise VariantError(f"{self.name} uses the {self.family} family, which {arch} does not run "
-                               f"({caps(arch).gpus}); cannot build for {arch}")
+            where = ", ".join(a for a in ARCHS if runs_family(a, self.family))
+            raise VariantError(f"{self.name} uses the {self.family} family, which only {where} run(s); cannot build "
+                               f"for {arch} ({caps(arch).gpus})")
         return target
 
     def runs_on(self, arch: str) -> bool:

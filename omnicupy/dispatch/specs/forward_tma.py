@@ -3,12 +3,12 @@ FwdTmaParams (FwdParams plus the persistent schedule and three tensor maps).
 
 Knobs: ``overlap``, ``pingpong`` (two consumer warpgroups take turns at their GEMMs), ``poly_exp``.
 Its tables: the tuned tiles, the fallbacks, the built-in rule masks' and 192-row blocks' tiles
-with the three-warpgroup conditions, and the head dims OMNICUPY_MMA=auto takes it for.
+(when OMNICUPY_MMA=auto takes it over wgmma is the selection's policy: dispatch/tiles.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from ...errors import VariantError
 from .. import params
@@ -71,28 +71,6 @@ TMA_BLOCK_TILES: dict[tuple[int, int], Tile] = {
     (64, 2): Tile(192, 128, 16),
     (128, 2): Tile(192, 128, 16),
 }
-#: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
-#: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
-#: at D = 64 it measured 3-5 % slower before its CTAs were persistent (§12), and now wins only on
-#: masks with CAUSAL blocks (TMA_AUTO_CAUSAL_HEAD_DIMS below).
-TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
-#: Head dims for which auto picks the tma family only for masks with CAUSAL blocks and no per-score
-#: work or fused mask expression. D = 64, measured on the H200 (NOTES.md §24, benchmarks.run, fp16,
-#: N = 8192, two rounds each): causal +6-9 %, prefix-LM +4-5 %, interleaved +7 %, sliding window and
-#: documents -1 to -1.5 % (noise level); without CAUSAL blocks the wgmma family stays: random block
-#: masks -6 % on tma, full attention within the noise.
-TMA_AUTO_CAUSAL_HEAD_DIMS: frozenset[int] = frozenset({64})
-
-
-def auto_picks_tma(hopper_dim: int, causal: bool, extras: bool = False, mask_expr: Optional[tuple] = None) -> bool:
-    """Whether OMNICUPY_MMA=auto takes the tma family for a forward variant on sm_90: the measured
-    head dims (TMA_AUTO_HEAD_DIMS), and TMA_AUTO_CAUSAL_HEAD_DIMS where the mask has CAUSAL blocks
-    and the variant neither transforms scores (``extras``) nor evaluates a fused mask."""
-    if hopper_dim in TMA_AUTO_HEAD_DIMS:
-        return True
-    return hopper_dim in TMA_AUTO_CAUSAL_HEAD_DIMS and causal and not extras and mask_expr is None
-
-
 def _tiles_bytes(v: "Variant") -> int:
     """One swizzle atom of alignment slack, Q, the K/V ring and the mbarriers."""
     return SWIZZLE_ATOM_BYTES + (v.br + v.stages * 2 * v.bc) * v.head_dim * 2 + TMA_BARRIER_BYTES
