@@ -23,6 +23,7 @@ from .. import arrays
 from ..checks import check_int
 from ..errors import MaskError
 from . import display
+from .constructors import BuilderMethods
 from .types import (KV_BLOCK_MULTIPLE, PARTIAL_WORD_BITS, Q_BLOCK_MULTIPLE, WORK_WEIGHTS, BlockType, MaskFeatures,
                     cdiv, max_length)
 
@@ -141,7 +142,7 @@ def owned_copy(a: Any):
     return compact if compact.shape == a.shape else xp.broadcast_to(compact, a.shape)
 
 
-class BlockMask:
+class BlockMask(BuilderMethods):
     """Block-sparse attention mask in flex-attention's layout plus a per-block type.
 
     Parameters mirror docs/design.md, "Block mask metadata". ``Bm`` and ``Hm`` (the first two dims) may be 1 to broadcast

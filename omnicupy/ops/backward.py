@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .. import arrays, jit
-from ..dispatch.arch import current_arch
+from ..dispatch.arch import check_arch, current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
 from ..dispatch.variant import BWD_BOUND_ROWS, BWD_ROW_WARPS
@@ -474,6 +474,8 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
          arch: Optional[str] = None) -> Plan:
     """Which backward kernel ``attention_backward()`` with these arguments would run (q/k/v may be
     NumPy arrays; only shapes and dtypes are read). ``arch`` defaults to the current device's."""
+    if arch is not None:
+        check_arch(arch)
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
     extras = _extras(inp, bm, bias, score_mod, fuse_mask)

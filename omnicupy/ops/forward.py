@@ -6,6 +6,7 @@ check runs before any launch and raises an ArgumentError (or MaskError) naming t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -15,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import arrays, jit
-from ..dispatch.arch import current_arch
+from ..dispatch.arch import check_arch, current_arch
 from ..dispatch.params import struct_for
 from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError, OmnicupyError
@@ -64,6 +65,11 @@ def resolve_mask(block_mask: Optional[BlockMask], causal: Any, inp: Inputs) -> B
     return block_mask
 
 
+#: What a plan for a named architecture assumes of the machine that runs it.
+TARGET_ASSUMES = ("assumes the target has a CUDA driver and NVIDIA's cuda-bindings, which encode its TMA tensor "
+                  "maps (without them it runs the wgmma family)")
+
+
 @dataclass(frozen=True)
 class Extras:
     """Per-score work beyond the block mask: bias, a score modifier, a fused mask expression."""
@@ -79,16 +85,21 @@ class Extras:
 
 
 def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str],
-              family: Optional[str] = None) -> Plan:
+              family: Optional[str] = None, target: bool = False) -> Plan:
+    """The forward Plan. ``target``: planning for a named GPU, not this machine's: what the tma family
+    needs of the driver (tensor maps encoded through cuda-bindings) is assumed of the target, and the
+    plan says so; only what the inputs themselves decide (strides, alignment) moves it to wgmma."""
     plan = plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
                         stages=stages, bias=extras.bias.dtype if extras.bias else None,
                         mask_expr=extras.mask_expr.key if extras.mask_expr else None,
                         score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch, family=family)
     if plan.variant.family == "tma":  # inputs TMA cannot address run on the wgmma family (ops/tma.py)
-        why = tma.unusable(plan.variant, {"q": inp.q, "k": inp.k, "v": inp.v}, inp.dtype)
+        why = tma.unusable(plan.variant, {"q": inp.q, "k": inp.k, "v": inp.v}, inp.dtype, need_driver=not target)
         if why is not None:
             logging.getLogger("omnicupy").info(f"omnicupy: tma family not used ({why}); wgmma instead")
-            return make_plan(inp, bm, stages, extras, arch, family="wgmma")
+            return make_plan(inp, bm, stages, extras, arch, family="wgmma", target=target)
+        if target:
+            plan = dataclasses.replace(plan, reason=plan.reason + f"; {TARGET_ASSUMES}")
     return plan
 
 
@@ -198,6 +209,8 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
     ``kv_lens`` / ``num_splits`` given), the answer is that kernel's ``decode.DecodePlan``
     (split count, m tile packing, the combine) instead.
     """
+    target = arch is not None
+    arch = check_arch(arch) if target else None
     inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     if arch is None:
         require_gpu()
@@ -206,7 +219,7 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
                                   causal=causal, score_expr=extras.score_expr, bias=extras.bias, arch=arch)
     if split_kv is not None:
         return split_kv
-    return make_plan(inp, bm, stages, extras, arch)
+    return make_plan(inp, bm, stages, extras, arch, target=target)
 
 
 def _steady_key(q, k, v, out, kv_lens, block_mask, causal, scale, bias, score_mod, return_lse, stages, fuse_mask,
