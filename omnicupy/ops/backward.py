@@ -30,7 +30,7 @@ from ..dispatch.arch import check_arch, current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
 from ..dispatch.variant import BWD_BOUND_ROWS, BWD_ROW_WARPS
-from ..errors import ArgumentError, CompileError
+from ..errors import ArgumentError, CompileError, VariantError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
 from . import recall, tma
@@ -126,7 +126,7 @@ class DqSum(Enum):
         if not unbounded_grad:
             return cls.FIXED
         if family != "sync":  # only the mma.sync kernel sums in order; make_plan never gives another
-            raise ValueError(f"an ordered dQ sum needs the mma.sync family, not {family!r}")
+            raise VariantError(f"an ordered dQ sum needs the mma.sync family, not {family!r}")
         return cls.ORDERED
 
 

@@ -95,8 +95,8 @@ class KernelSpec:
         """Raise VariantError when ``v`` is not a kernel of this slot (after the shared checks)."""
 
     def smem_bytes(self, v: "Variant") -> int:
-        """Dynamic shared memory of ``v``'s main entry."""
-        raise NotImplementedError
+        """Dynamic shared memory of ``v``'s main entry (every registered slot defines it)."""
+        raise VariantError(f"the {self.operation} {self.family} slot defines no shared-memory formula")
 
     def m_tiles(self, v: "Variant") -> int:
         """m16 tiles of q rows per warp (the template's ``m_tiles``)."""
