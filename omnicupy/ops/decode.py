@@ -39,6 +39,7 @@ from ..dispatch.specs.decode_split import DECODE_BC, TileTable  # noqa: F401
 from ..errors import ArgumentError, KVCacheError
 from ..jit.launch import KernelLaunch, Launcher
 from ..mask import BlockMask, cdiv, expressions
+from . import fields as group
 from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
                      device_out, on_device, require_gpu)
 
@@ -276,19 +277,6 @@ def take_device_errors(raise_error: bool = True) -> int:
     return bits
 
 
-def _mask_fields(bm: Optional[BlockMask]) -> dict[str, Any]:
-    if bm is None:
-        return {"kv_num_blocks": None, "kv_indices": None, "block_types": None, "partial_index": None,
-                "partial_masks": None, "mask_row_sb": 0, "mask_row_sh": 0, "max_blocks": 0, "q_block_size": 0,
-                "kv_block_size": 0}
-    meta = bm.device_metadata()
-    return {"kv_num_blocks": meta.kv_num_blocks, "kv_indices": meta.kv_indices,
-            "block_types": meta.block_mask_types, "partial_index": meta.partial_block_mask_indices,
-            "partial_masks": meta.partial_block_masks, "mask_row_sb": meta.row_stride_batch,
-            "mask_row_sh": meta.row_stride_head, "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size,
-            "kv_block_size": bm.kv_block_size}
-
-
 #: Launch fields that launch() allocates per call (the split results the combine merges): the
 #: steady state allocates them anew per call (ops/recall.py, ChainRecipe).
 SCRATCH_FIELDS = ("part_o", "part_ml")
@@ -313,8 +301,6 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
     replays with new pointers (ops/recall.py, ChainRecipe)."""
     cp = arrays.cupy_module()
     B, Hq, Nq, D = (int(n) for n in q.shape)
-    item = q.itemsize
-    qs = [s // item for s in q.strides[:3]]
     os_ = [s // o.itemsize for s in o.strides[:3]]
     kv_heads = cache.kv_heads
     splits = plan.num_splits
@@ -330,7 +316,7 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 or plan.fused else None,
         "part_o": part_o, "part_ml": part_ml,
         "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
-        "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
+        **group.strides(q, "q"),
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
         "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
         "o_sb": os_[0], "o_sh": os_[1], "o_sn": os_[2],
@@ -350,8 +336,8 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         # Scores reach the softmax raw, the scale folded into exp2, unless a score modifier needs
         # them scaled first (then the softmax works in natural units).
         "scale_log2": math.log2(math.e) * (1.0 if transforms else scale),
-        **_mask_fields(block_mask if plan.rule is None else None),
-        "user_arrays": list(score_expr.device_arrays()) if score_expr is not None else [],
+        **group.mask_rows(block_mask if plan.rule is None else None),
+        **group.user_arrays(score_expr),
     }
     kernel = jit.get_kernel(plan.split.variant)
     _call(kernel, plan.split.grid, plan.split.block, DECODE, fields, plan.split.smem_bytes, record)

@@ -11,7 +11,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
@@ -22,10 +22,13 @@ from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError, OmnicupyError
 from ..mask import BlockMask, expressions
 from . import decode, recall, tma
+from . import fields as group
 from .inputs import (Bias, Inputs, aligned, check_bias, check_bool, check_device, check_expressions, check_lse_buffer,
                      check_mask_matches, check_out, check_qkv, check_scale, check_score_mod, check_stages, device_out,
                      on_device, require_gpu)
 
+#: What ``causal=`` takes: False, True (= "top_left") or "bottom_right" (docs/design.md, Semantics).
+Causal = Union[bool, Literal["top_left", "bottom_right"]]
 CAUSAL_MODES = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 
 
@@ -103,22 +106,6 @@ def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras,
     return plan
 
 
-def _element_strides(x: Any, prefix: str) -> dict[str, int]:
-    item = x.itemsize
-    return {f"{prefix}_s{axis}": s // item for axis, s in zip("bhn", x.strides[:3])}
-
-
-def _bias_fields(bias: Optional[Bias]) -> dict[str, Any]:
-    if bias is None:
-        return {"bias": None, "bias_sb": 0, "bias_sh": 0, "bias_sq": 0, "bias_sk": 0}
-    b = arrays.to_cupy(bias.array, "bias")
-    check_device(b, "bias")
-    st = [s // b.itemsize if n > 1 else 0 for s, n in zip(b.strides, b.shape)]
-    if b.ndim == 3:  # vector bias: the same row for every query
-        st = st[:2] + [0] + st[2:]
-    return {"bias": b, "bias_sb": st[0], "bias_sh": st[1], "bias_sq": st[2], "bias_sk": st[3]}
-
-
 def _on_device(bm: BlockMask, what: tuple, host: Optional[np.ndarray]):
     """``host`` (a schedule array of the mask's plans) on the current device, uploaded once per
     device and ``what``, cached on the mask; None for None. No synchronization, also while a graph
@@ -148,24 +135,19 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         if not exprs:
             raise
         raise CompileError(f"the CUDA expression(s) {exprs} did not compile:\n{exc}") from None
-    meta = bm.device_metadata()
-    user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
         "q": inp.q, "k": inp.k, "v": inp.v, "o": o, "lse": lse,
-        **_element_strides(inp.q, "q"), **_element_strides(inp.k, "k"), **_element_strides(inp.v, "v"),
-        **_element_strides(o, "o"),
+        **group.strides(inp.q, "q"), **group.strides(inp.k, "k"), **group.strides(inp.v, "v"),
+        **group.strides(o, "o"),
         "num_heads": inp.heads, "q_len": inp.q_len, "kv_len": inp.kv_len, "kv_group": inp.heads // inp.kv_heads,
         "scale": scale,
         # The softmax works on raw scores with the scale folded into exp2, unless the kernel
         # already scaled them (per-score extras): then in natural units.
         "scale_log2": math.log2(math.e) * (1.0 if extras.transforms_scores else scale),
-        "kv_num_blocks": meta.kv_num_blocks, "kv_indices": meta.kv_indices, "block_types": meta.block_mask_types,
-        "partial_index": meta.partial_block_mask_indices, "partial_masks": meta.partial_block_masks,
-        "mask_row_sb": meta.row_stride_batch, "mask_row_sh": meta.row_stride_head,
-        "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size, "kv_block_size": bm.kv_block_size,
+        **group.mask_rows(bm),
         "q_tile_order": _on_device(bm, ("order", plan.variant.br), plan.q_tile_order),
-        **_bias_fields(extras.bias),
-        "user_arrays": user_arrays,
+        **group.bias(extras.bias),
+        **group.user_arrays(extras.mask_expr, extras.score_expr),
     }
     params, maps = struct_for(plan.operation, plan.variant.family), None
     if plan.variant.family == "tma":  # TMA tensor maps of q, k, v (ops/tma.py; cached per buffer)
@@ -192,7 +174,7 @@ def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     return inp, bm, extras
 
 
-def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False,
+def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Causal = False,
          stages: Optional[int] = None, bias: Any = None, score_mod: Any = None, fuse_mask: bool = False,
          arch: Optional[str] = None, kv_lens: Any = None,
          num_splits: Optional[int] = None) -> "Plan | decode.DecodePlan":
@@ -257,7 +239,7 @@ def attention(
     v: Any,
     block_mask: Optional[BlockMask] = None,
     *,
-    causal: bool = False,
+    causal: Causal = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
     stages: Optional[int] = None,
