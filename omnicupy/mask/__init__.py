@@ -15,7 +15,9 @@ Layers, each importing only those above it:
     layout       rows as items -> flex's layout and the summary
     kernels      the builders' GPU kernels as omnicupy kernels (``precompile_specs``) and their
                  NumPy emulation
+    build_pass   one build: windows, pieces or evaluated blocks -> items -> metadata (chunked)
     builders     BlockMask from a mask_mod, a dense mask, flex's arrays, causal/full rules
+    constructors the builders as BlockMask class methods (imported when called)
     expressions  CUDA C expressions (``cuda_mask``) fused into kernels
 
 ``BlockMask``'s builders are class methods of BlockMask (``BlockMask.causal`` ...) that import
