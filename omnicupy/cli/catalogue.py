@@ -3,14 +3,36 @@ list of every operation, the supported values, a kernel's family and whether it 
 The one place in cli/ that imports dispatch, ops and mask, so that moving them touches one file."""
 from __future__ import annotations
 
+import argparse
 from typing import Any, Optional
 
 from ..dispatch import tiles
-from ..dispatch.arch import has_wgmma
+from ..dispatch.arch import SPECIFIC, ArchError, build_target, check_arch
 from ..dispatch.variant import HOPPER_FAMILIES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant
 
-__all__ = ["HOPPER_FAMILIES", "OPERATIONS", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS", "SUPPORTED_STAGES", "Variant", "has_wgmma", "family",
-           "runs_on", "shipped_variants", "kernel_for"]
+__all__ = ["ARCH_SPECIFIC", "HOPPER_FAMILIES", "OPERATIONS", "SUPPORTED_DTYPES", "SUPPORTED_HEAD_DIMS",
+           "SUPPORTED_STAGES", "Variant", "arch_list", "build_target", "family", "runs_on", "shipped_variants",
+           "kernel_for"]
+
+#: Arch-specific targets (the architecture table's): asked for alone, they mean "only the variants
+#: built as this target" (sm_90a: the wgmma and tma variants).
+ARCH_SPECIFIC = tuple(SPECIFIC)
+
+
+def arch_list(text: str) -> Optional[tuple[str, ...]]:
+    """``--arch``: 'auto' -> None (decide at run time); 'sm_80,sm_90a' -> ('sm_80', 'sm_90a'), each
+    name checked against the architecture table (dispatch/arch.py check_arch, the one check)."""
+    if text.strip() == "auto":
+        return None
+    archs: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        try:
+            arch = check_arch(item)
+        except ArchError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if arch not in archs:
+            archs.append(arch)
+    return tuple(archs)
 
 
 #: The kernel groups ``precompile --ops`` chooses from.

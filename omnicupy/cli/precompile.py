@@ -25,10 +25,10 @@ from .. import arrays, jit
 from ..dispatch.variant import ACCEPTED_HEAD_DIMS
 from ..errors import OmnicupyError
 from ..jit.compiler import arch_number, nvrtc_version, supported_archs
-from .common import (ARCH_SPECIFIC, MAX_DEFAULT_JOBS, NO_GPU_ARCHS, UsageError, arch_list, brief, cache_dir_option,
-                     comma_list, default_jobs, human_bytes, log, positive_int, verbose)
-from .catalogue import (HOPPER_FAMILIES, OPERATIONS, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant, family, has_wgmma,
-                        runs_on, shipped_variants)
+from .common import (MAX_DEFAULT_JOBS, NO_GPU_ARCHS, UsageError, brief, cache_dir_option, comma_list, default_jobs,
+                     human_bytes, log, positive_int, verbose)
+from .catalogue import (ARCH_SPECIFIC, OPERATIONS, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, SUPPORTED_STAGES, Variant,
+                        arch_list, build_target, family, runs_on, shipped_variants)
 from .progress import Progress
 
 
@@ -74,13 +74,13 @@ def check_nvrtc_archs(archs: Sequence[str]) -> None:
 
 
 def targets(variant: Variant, arch: str) -> Optional[str]:
-    """The arch ``variant`` is built as when asked for ``arch``, or None when it is not built for it:
-    the Hopper families (wgmma, tma) exist for sm_90 only (as sm_90a), and sm_90a asks for them only."""
+    """The arch ``variant`` is built as when asked for ``arch``, or None when it is not built for it
+    (the architecture table: the wgmma families run on sm_90 only, built as sm_90a; an arch-specific
+    name such as sm_90a asks for exactly the variants built as it)."""
+    target = build_target(arch, family(variant))
     if arch in ARCH_SPECIFIC:
-        return arch if family(variant) in HOPPER_FAMILIES else None
-    if family(variant) in HOPPER_FAMILIES and not has_wgmma(arch):
-        return None
-    return variant.target_arch(arch)
+        return target if target == arch else None
+    return target
 
 
 def plan(variants: Sequence[Variant], archs: Sequence[str]) -> tuple[list[tuple[Variant, str]], int]:

@@ -6,6 +6,8 @@ the code that reads it in the kernel and the line that fills it in the ops modul
 """
 from __future__ import annotations
 
+import dataclasses
+
 from .abi import Param, ParamStruct
 
 #: Slots for the lookup arrays of user expressions (cuda_mask / cuda_score), read by the
@@ -14,8 +16,42 @@ MAX_USER_ARRAYS = 8
 
 
 def _strides(tensor: str, doc: str) -> list[Param]:
+    """The strides group of one [B, H, N, D] tensor (filled by ops/fields.py strides)."""
     return [Param(f"{tensor}_s{axis}", "i64", doc=f"{doc} stride over {what}, elements" if axis == "b" else "")
             for axis, what in (("b", "batch"), ("h", "heads"), ("n", "sequence"))]
+
+
+def _bare(group: tuple[Param, ...]) -> tuple[Param, ...]:
+    """A group without its comments (the structs that declared it so render as they always have)."""
+    return tuple(dataclasses.replace(p, doc="") for p in group)
+
+
+# The parameter groups more than one struct holds, declared once; each is filled by one function
+# of ops/fields.py (named beside it).
+
+#: The block mask's rows (mask/block_mask.py DeviceMetadata): row (b, h, q block) is
+#: b * mask_row_sb + h * mask_row_sh + q_block; 0 strides broadcast. Filled by fields.mask_rows.
+MASK_ROWS = (
+    Param("kv_num_blocks", "ptr", "const int*", doc="[rows]"),
+    Param("kv_indices", "ptr", "const int*", doc="[rows, max_blocks]"),
+    Param("block_types", "ptr", "const int*", doc="[rows, max_blocks] BlockType"),
+    Param("partial_index", "ptr", "const int*", doc="[rows, max_blocks] into partial_masks, or null"),
+    Param("partial_masks", "ptr", "const u32*", doc="[P, q_block_size, kv_block_size / 32], or null"),
+    Param("mask_row_sb", "i64"),
+    Param("mask_row_sh", "i64"),
+    Param("max_blocks", "i32"),
+    Param("q_block_size", "i32"),
+    Param("kv_block_size", "i32"),
+)
+#: An additive bias [B|1, H|1, Nq|1, Nkv] and its element strides. Filled by fields.bias.
+BIAS = (
+    Param("bias", "ptr", "const void*", doc="[B|1, H|1, Nq|1, Nkv] fp16/bf16/fp32, or null"),
+    Param("bias_sb", "i64"), Param("bias_sh", "i64"), Param("bias_sq", "i64"), Param("bias_sk", "i64"),
+)
+#: The lookup arrays of user expressions. Filled by fields.user_arrays.
+USER_ARRAYS = (
+    Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
+)
 
 
 FORWARD = ParamStruct("FwdParams", (
@@ -31,22 +67,10 @@ FORWARD = ParamStruct("FwdParams", (
     Param("kv_group", "i32", doc="Hq / Hkv"),
     Param("scale", "f32", doc="softmax scale, applied by the score transform"),
     Param("scale_log2", "f32", doc="what the softmax multiplies raw scores by inside exp2"),
-    # block mask (mask/block_mask.py DeviceMetadata): row (b, h, q block) is
-    # b * mask_row_sb + h * mask_row_sh + q_block; 0 strides broadcast.
-    Param("kv_num_blocks", "ptr", "const int*", doc="[rows]"),
-    Param("kv_indices", "ptr", "const int*", doc="[rows, max_blocks]"),
-    Param("block_types", "ptr", "const int*", doc="[rows, max_blocks] BlockType"),
-    Param("partial_index", "ptr", "const int*", doc="[rows, max_blocks] into partial_masks, or null"),
-    Param("partial_masks", "ptr", "const u32*", doc="[P, q_block_size, kv_block_size / 32], or null"),
-    Param("mask_row_sb", "i64"),
-    Param("mask_row_sh", "i64"),
-    Param("max_blocks", "i32"),
-    Param("q_block_size", "i32"),
-    Param("kv_block_size", "i32"),
+    *MASK_ROWS,
     Param("q_tile_order", "ptr", "const int*", doc="[gridDim.x] q tile per blockIdx.x, or null: last first"),
-    Param("bias", "ptr", "const void*", doc="[B|1, H|1, Nq|1, Nkv] fp16/bf16/fp32, or null"),
-    Param("bias_sb", "i64"), Param("bias_sh", "i64"), Param("bias_sq", "i64"), Param("bias_sk", "i64"),
-    Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
+    *BIAS,
+    *USER_ARRAYS,
 ))
 
 #: The backward operation's three kernels (preprocess, kv-tile main loop, dQ conversion) share one
@@ -92,9 +116,8 @@ BACKWARD = ParamStruct("BwdParams", (
     Param("partial_masks", "ptr", "const u32*", doc="[P, q_block_size, kv_block_size / 32], or null"),
     Param("q_block_size", "i32"),
     Param("kv_block_size", "i32"),
-    Param("bias", "ptr", "const void*", doc="[B|1, H|1, Nq|1, Nkv] fp16/bf16/fp32, or null (a constant: no dbias)"),
-    Param("bias_sb", "i64"), Param("bias_sh", "i64"), Param("bias_sq", "i64"), Param("bias_sk", "i64"),
-    Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
+    dataclasses.replace(BIAS[0], doc=BIAS[0].doc + " (a constant: no dbias)"), *BIAS[1:],
+    *USER_ARRAYS,
     # The warp-specialized wgmma backward (kernels/bwd_ws.cuh) loads Q and dO with TMA where the
     # inputs allow it (omnicupy/ops/tma.py encodes the maps); the other kernels never read these.
     Param("tma_loads", "i32", doc="1: q_map and do_map are valid and Q/dO load through them; 0: cp.async"),
@@ -149,17 +172,8 @@ DECODE = ParamStruct("DecodeParams", (
     Param("scale_log2", "f32"),
     # Block-mask mode (kv_num_blocks non-null): the CTA walks one row of the mask, shared by its
     # rows (q block 0; one head unless the mask broadcasts over heads).
-    Param("kv_num_blocks", "ptr", "const int*"),
-    Param("kv_indices", "ptr", "const int*"),
-    Param("block_types", "ptr", "const int*"),
-    Param("partial_index", "ptr", "const int*"),
-    Param("partial_masks", "ptr", "const u32*"),
-    Param("mask_row_sb", "i64"),
-    Param("mask_row_sh", "i64"),
-    Param("max_blocks", "i32"),
-    Param("q_block_size", "i32"),
-    Param("kv_block_size", "i32"),
-    Param("user_arrays", "ptr", "const void*", count=MAX_USER_ARRAYS, doc="lookup arrays of user expressions"),
+    *_bare(MASK_ROWS),
+    *USER_ARRAYS,
 ))
 
 #: Merge of split-KV partials: one warp per output row (b, h, i), rows = B * Hq * Nq.
@@ -199,5 +213,5 @@ def struct_for(operation: str, family: str) -> ParamStruct:
     return FAMILY_STRUCTS.get((operation, family)) or STRUCTS[operation]
 
 
-__all__ = ["FORWARD", "FORWARD_TMA", "BACKWARD", "DECODE", "COMBINE", "STRUCTS", "FAMILY_STRUCTS", "struct_for",
+__all__ = ["MASK_ROWS", "BIAS", "USER_ARRAYS", "FORWARD", "FORWARD_TMA", "BACKWARD", "DECODE", "COMBINE", "STRUCTS", "FAMILY_STRUCTS", "struct_for",
            "MAX_USER_ARRAYS"]

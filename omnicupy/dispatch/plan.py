@@ -18,7 +18,9 @@ from ..jit import env
 from ..mask import BlockMask, cdiv
 from ..mask.builders import reblocked
 from . import schedule, tiles
-from .arch import has_wgmma, sm_count
+from .arch import runs_family, sm_count
+from .specs.backward_sync import backward_launches
+from .specs.base import Launch
 from .variant import Variant
 
 MAX_GRID_YZ = 65535
@@ -44,6 +46,12 @@ class Plan:
     #: The mask the launch reads when it is not the caller's: a rule mask re-blocked for the tile
     #: (builders.reblocked, kept on the caller's mask); None: the caller's mask.
     block_mask: Optional[BlockMask] = None
+    #: Every launch of the call, in order (the slot's launches; default: the main launch alone).
+    launches: tuple[Launch, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.launches:
+            object.__setattr__(self, "launches", (Launch(self.variant.name, self.grid, self.block, self.smem_bytes),))
 
     @property
     def operation(self) -> str:
@@ -81,7 +89,7 @@ def _why(variant: Variant, arch: Optional[str], extras: bool) -> str:
                 f"blocks" + (" (no P V overlap: per-score extras need its registers)" if extras else ""))
     if family == "sync":
         return "mma.sync: OMNICUPY_MMA=sync"
-    if arch is None or not has_wgmma(arch):
+    if not runs_family(arch, "wgmma"):
         return f"mma.sync: wgmma needs sm_90 (device arch {arch or 'unknown'})"
     return (f"mma.sync: no wgmma tile for head_dim {variant.real_head_dim}, stages {variant.stages} and these "
             f"block sizes (wgmma: head_dim 40..64, 104..128 or 136..256, stages 2, q blocks a multiple of 64)")
@@ -125,10 +133,14 @@ def plan_forward(*, head_dim: int, dtype: str, batch: int, heads: int, block_mas
 
 def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block_mask: BlockMask,
                   bias: Optional[str], mask_expr: Optional[tuple], score_expr: Optional[tuple],
-                  score_grad: Optional[str], arch: Optional[str], ordered_dq: bool = False) -> Plan:
+                  score_grad: Optional[str], arch: Optional[str], ordered_dq: bool = False,
+                  heads: Optional[int] = None, deterministic: bool = False) -> Plan:
     """The backward's main kernel: one CTA per (kv tile, column pass) of each (batch, kv head); the
     row kernels around it (ops/backward.py) need no plan. Column passes split head dims above 128.
-    ``ordered_dq``: a deterministic dQ the fixed point cannot bound (the mma.sync kernel's ordered sum)."""
+    ``ordered_dq``: a deterministic dQ the fixed point cannot bound (the mma.sync kernel's ordered sum).
+    ``heads`` (Hq, default ``kv_heads``) and ``deterministic`` shape the launches around the main
+    kernel (specs/backward_sync.backward_launches): a deterministic dQ in fixed point runs the
+    ``_det`` entry after the K/V bounds."""
     bm = block_mask
     variant = tiles.select_backward_variant(head_dim, dtype, bm.q_block_size, bm.kv_block_size, bm.features.causal,
                                             bm.features.partial, bias=bias, mask_expr=mask_expr,
@@ -149,9 +161,12 @@ def plan_backward(*, head_dim: int, dtype: str, batch: int, kv_heads: int, block
                "OMNICUPY_BWD=sync" if env.backward_family() == "sync" else "the default (OMNICUPY_BWD=auto)")
         reason = (f"backward mma.sync: kv tiles of {variant.bc} rows walking q tiles of {variant.br} "
                   f"(BACKWARD_TILES): {why}")
-    return Plan(variant=variant, grid=(cdiv(bm.kv_len, variant.bc) * passes, kv_heads, batch),
-                block=(variant.threads, 1, 1), smem_bytes=variant.smem_bytes, q_tile_order=None, arch=arch,
-                reason=reason)
+    grid = (cdiv(bm.kv_len, variant.bc) * passes, kv_heads, batch)
+    launches = backward_launches(variant, grid, batch=batch, heads=kv_heads if heads is None else heads,
+                                 kv_heads=kv_heads, q_len=bm.q_len, kv_len=bm.kv_len,
+                                 fixed_point=deterministic and not ordered_dq)
+    return Plan(variant=variant, grid=grid, block=(variant.threads, 1, 1), smem_bytes=variant.smem_bytes,
+                q_tile_order=None, arch=arch, reason=reason, launches=launches)
 
 
 __all__ = ["Plan", "plan_forward", "plan_backward", "MAX_GRID_YZ"]

@@ -15,11 +15,13 @@ Layers, each importing only those above it:
     layout       rows as items -> flex's layout and the summary
     kernels      the builders' GPU kernels as omnicupy kernels (``precompile_specs``) and their
                  NumPy emulation
+    build_pass   one build: windows, pieces or evaluated blocks -> items -> metadata (chunked)
     builders     BlockMask from a mask_mod, a dense mask, flex's arrays, causal/full rules
+    constructors the builders as BlockMask class methods (imported when called)
     expressions  CUDA C expressions (``cuda_mask``) fused into kernels
 
-``BlockMask``'s builder class methods are attached here, where both layers are known, so that
-block_mask.py needs no import of builders.py.
+``BlockMask``'s builders are class methods of BlockMask (``BlockMask.causal`` ...) that import
+builders.py when called, so that block_mask.py has no import of builders.py at load time.
 """
 from __future__ import annotations
 
@@ -28,12 +30,6 @@ from .block_mask import BlockMask, DeviceMetadata, MaskSummary, validate_metadat
 from .kernels import precompile_specs
 from .mask_mod import MaskMod
 from .types import BlockType, MaskFeatures, cdiv
-
-BlockMask.full = staticmethod(builders.full)
-BlockMask.causal = staticmethod(builders.causal)
-BlockMask.from_mask_mod = staticmethod(builders.from_mask_mod)
-BlockMask.from_dense = staticmethod(builders.from_dense)
-BlockMask.from_flex = staticmethod(builders.from_flex)
 
 __all__ = ["BlockMask", "BlockType", "DeviceMetadata", "MaskFeatures", "MaskMod", "MaskSummary", "builders", "cdiv",
            "precompile_specs", "validate_metadata"]

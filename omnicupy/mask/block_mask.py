@@ -28,6 +28,7 @@ from ..errors import MaskError
 from . import display, registry
 from .frozen import freeze
 from .metadata_checks import MaskSummary, causal_band, validate_metadata
+from .constructors import BuilderMethods
 from .types import (KV_BLOCK_MULTIPLE, PARTIAL_WORD_BITS, Q_BLOCK_MULTIPLE, WORK_WEIGHTS, BlockType, MaskFeatures,
                     cdiv, max_length)
 
@@ -139,7 +140,7 @@ _SEALED = frozenset({"_kv_num_blocks", "_kv_indices", "_block_mask_types", "_par
                      "_partial_block_masks", "_runs", "_fingerprint", "_sealed", "_device_cache"})
 
 
-class BlockMask:
+class BlockMask(BuilderMethods):
     """Block-sparse attention mask in flex-attention's layout plus a per-block type.
 
     Parameters mirror docs/design.md, "Block mask metadata". ``Bm`` and ``Hm`` (the first two dims) may be 1 to broadcast

@@ -26,17 +26,17 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .. import arrays, jit
-from ..dispatch.arch import current_arch
+from ..dispatch.arch import check_arch, current_arch
 from ..dispatch.params import BACKWARD
 from ..dispatch.plan import Plan, plan_backward
-from ..dispatch.variant import BWD_BOUND_ROWS, BWD_ROW_WARPS
 from ..errors import ArgumentError, CompileError, VariantError
 from ..jit.launch import KernelLaunch
 from ..mask import BlockMask, cdiv, expressions
 from . import recall, tma
 from .backward_index import backward_index, dq_ranks
-from .forward import Extras, _bias_fields, _element_strides, resolve_mask, steady_mask
 from .arg_checks import check_flags, check_outputs, require_gpu_for, steady_state_possible
+from . import fields as group
+from .forward import Causal, Extras, resolve_mask, steady_mask
 from .inputs import (Inputs, aligned, as_array, check_bias, check_device, check_out, check_qkv, check_scale,
                      check_score_mod, on_device, require_gpu, to_device)
 
@@ -163,7 +163,8 @@ def make_plan(inp: Inputs, bm: BlockMask, extras: BackwardExtras, arch: Optional
                          mask_expr=extras.mask_expr.key if extras.mask_expr else None,
                          score_expr=extras.score_expr.key if extras.score_expr else None,
                          score_grad=extras.score_grad, arch=arch,
-                         ordered_dq=deterministic and not extras.score_grad_at_most_one)
+                         ordered_dq=deterministic and not extras.score_grad_at_most_one, heads=inp.heads,
+                         deterministic=deterministic)
 
 
 #: The backward struct's per-call pointers, in the order Recipe.launch takes them.
@@ -281,12 +282,11 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
     passes = plan.grid[0] // cdiv(inp.kv_len, variant.bc)
     workspace = Workspace.of(B, Hq, inp.kv_heads, variant.head_dim, q_len_pad, variant.br, passes, dq_sum)
     index, meta, ranks = _mask_tables(bm, variant.bc, dq_sum is DqSum.ORDERED, cp)
-    user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
         "q": inp.q, "k": inp.k, "v": inp.v, "o": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
-        **_element_strides(inp.q, "q"), **_element_strides(inp.k, "k"), **_element_strides(inp.v, "v"),
-        **_element_strides(out, "o"), **_element_strides(dout, "do"), **_element_strides(dq, "dq"),
-        **_element_strides(dk, "dk"), **_element_strides(dv, "dv"),
+        **group.strides(inp.q, "q"), **group.strides(inp.k, "k"), **group.strides(inp.v, "v"),
+        **group.strides(out, "o"), **group.strides(dout, "do"), **group.strides(dq, "dq"),
+        **group.strides(dk, "dk"), **group.strides(dv, "dv"),
         "lse_log2": None, "delta": None, "dq_accum": None, "dq_semaphore": None,  # per call (Workspace)
         "dq_unit": None, "kv_bound": None,
         "q_len_pad": q_len_pad, "num_heads": Hq, "q_len": Nq, "kv_len": inp.kv_len,
@@ -300,19 +300,19 @@ def _launch(inp: Inputs, dout, out, lse, dq, dk, dv, bm: BlockMask, scale: float
         "t_row_sb": index.row_stride_batch, "t_row_sh": index.row_stride_head, "t_width": index.width,
         "partial_masks": meta.partial_block_masks, "q_block_size": bm.q_block_size,
         "kv_block_size": bm.kv_block_size,
-        **_bias_fields(extras.bias),
-        "user_arrays": user_arrays,
+        **group.bias(extras.bias),
+        **group.user_arrays(extras.mask_expr, extras.score_expr),
     }
     maps = _tensor_maps(variant, inp, dout)
     fields.update(tma_loads=int(maps is not None), q_map=None, do_map=None)
     if maps is not None:
         fields.update(maps.fields(inp.q.data.ptr, dout.data.ptr))
-    row_block, rows = (32 * BWD_ROW_WARPS, 1, 1), variant.row_kernel_rows  # both from dispatch/variant.py
-    launches = [KernelLaunch(bounds, (cdiv(inp.kv_len, BWD_BOUND_ROWS), inp.kv_heads, B), row_block)] \
-        if dq_sum is DqSum.FIXED else []
-    launches += [KernelLaunch(pre, (cdiv(q_len_pad, rows), Hq, B), row_block),
-                KernelLaunch(main, plan.grid, plan.block, plan.smem_bytes),
-                KernelLaunch(convert, (cdiv(Nq, rows), Hq, B), row_block)]
+    # the plan's launches (specs/backward_sync.backward_launches), each by its entry point
+    entries = {variant.name + suffix: f for suffix, f in
+               (("_kvb", bounds), ("_pre", pre), ("", atomic), ("_det", fixed_main), ("_dq", convert))}
+    launches = [KernelLaunch(entries[x.entry], x.grid, x.block, x.smem_bytes) for x in plan.launches]
+    if (dq_sum is DqSum.FIXED) != any(x.entry == f"{variant.name}_det" for x in plan.launches):
+        raise VariantError("the backward plan was made for another dQ sum (plan it with this call's deterministic)")
     recipe = recall.Recipe.make(main, plan, fields, BACKWARD, maps, pointer_fields=POINTER_FIELDS, launches=launches,
                                 workspace=workspace)
     scratch, parts = workspace.allocate(cp)
@@ -384,7 +384,7 @@ def attention_backward(
     lse: Any,
     block_mask: Optional[BlockMask] = None,
     *,
-    causal: Any = False,
+    causal: Causal = False,
     scale: Optional[float] = None,
     bias: Any = None,
     score_mod: Any = None,
@@ -472,11 +472,13 @@ def attention_backward(
     return tuple(results)
 
 
-def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False, bias: Any = None,
+def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Causal = False, bias: Any = None,
          score_mod: Any = None, fuse_mask: bool = False, deterministic: bool = False,
          arch: Optional[str] = None) -> Plan:
     """Which backward kernel ``attention_backward()`` with these arguments would run (q/k/v may be
     NumPy arrays; only shapes and dtypes are read). ``arch`` defaults to the current device's."""
+    if arch is not None:
+        check_arch(arch)
     inp = check_qkv(q, k, v)
     bm = resolve_mask(block_mask, causal, inp)
     extras = _extras(inp, bm, bias, score_mod, fuse_mask)

@@ -20,9 +20,9 @@ What a row sees, per sequence b with ``L = kv_lens[b]`` keys (or the cache's len
 """
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Mapping
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,311 +30,21 @@ import numpy as np
 
 from .. import arrays, jit
 from ..checks import check_int
-from ..dispatch.arch import current_arch, smem_limit
+from ..dispatch import decode_plan as _plan
+from ..dispatch.arch import current_arch
+from ..dispatch.decode_plan import (DecodePlan, Rows, Rule, choose_splits, combine_variant, decode_variant,  # noqa: F401
+                                    pack_rows, plan_split_kv, rule_span, settings, shipped_variants)
 from ..dispatch.params import COMBINE, DECODE
-from ..dispatch.plan import Plan
-from ..dispatch.variant import DECODE_BC, DECODE_WARP_ROWS, SUPPORTED_HEAD_DIMS, Variant, tile_head_dim
+from ..dispatch.specs.decode_split import DECODE_BC, TileTable  # noqa: F401
 from ..errors import ArgumentError, KVCacheError
 from ..jit.launch import KernelLaunch, Launcher
 from ..mask import BlockMask, cdiv, expressions
+from . import fields as group
 from .inputs import (Inputs, check_device, check_mask_matches, check_out, check_qkv, check_scale, check_score_mod,
                      device_out, on_device, require_gpu)
 
-#: Packed query rows (GQA group x positions) per kv head up to which attention() takes the decode
-#: kernel on its own; above, the forward kernel's q tiles are full enough.
-DECODE_MAX_ROWS = 64
-MAX_SPLITS = 128
-#: Streaming multiprocessors assumed when planning without a device (an H100/H200 has 132).
-DEFAULT_SMS = 132
-#: Each kv group of a split walks at least this many 32-key tiles (or the split count shrinks).
-MIN_TILES_PER_GROUP = 2
-#: The smallest split count whose wave efficiency is within this factor of the best is chosen.
-WAVE_TOLERANCE = 0.95
-#: Combine: output rows (one warp each) per CTA.
-COMBINE_WARPS = 4
 #: Bits of the device error word (kernels/decode_split.cuh).
 ERROR_KV_LEN, ERROR_PAGE = 1, 2
-#: Merge the splits in the split kernel's last CTA per (m tile, kv head, batch) (an atomic counter
-#: per unit) instead of a second, combine launch; plan_split_kv(fused_combine=...) overrides it per
-#: plan. On: benchmarks/tune_decode.py on the H200 (fp16, D = 128, Hq 32 / Hkv 8, Nq 1) measured
-#: +11 % / +4 % / +3 % at B = 1 x 8k / 32k / 128k and within 1 % of the two-launch merge elsewhere.
-FUSED_COMBINE = True
-
-
-class TileTable(Mapping):
-    """DECODE_TILES' type: a read-only mapping, hashed once, so that the plan cache and the
-    steady-state keys can hold the table itself (settings()). Tuning tools change it by rebinding:
-    ``decode.DECODE_TILES = decode.DECODE_TILES.updated({(128, 16): (2, 3)})``."""
-
-    __slots__ = ("_entries", "_hash")
-
-    def __init__(self, entries: Mapping) -> None:
-        self._entries = dict(entries)
-        self._hash = hash(frozenset(self._entries.items()))
-
-    def __getitem__(self, key):
-        return self._entries[key]
-
-    def __iter__(self):
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other) -> bool:
-        return self._entries == dict(other) if isinstance(other, Mapping) else NotImplemented
-
-    def __repr__(self) -> str:
-        return f"TileTable({self._entries!r})"
-
-    def updated(self, entries: Mapping) -> "TileTable":
-        """A new table: this one with ``entries`` added or replaced."""
-        return TileTable({**self._entries, **dict(entries)})
-
-
-#: (head_dim, m tile rows) -> (warps, ring stages). One warp per 16 rows; the rest of the warps
-#: form independent kv groups (decode_split.cuh). Shared memory per CTA stays under Hopper's
-#: 227 KB; plan_split_kv trims stages, then kv groups, where the arch has less.
-DECODE_TILES = TileTable({
-    (32, 16): (4, 4), (32, 32): (4, 4), (32, 64): (8, 4),
-    (64, 16): (4, 4), (64, 32): (4, 4), (64, 64): (8, 3),
-    (96, 16): (4, 3), (96, 32): (4, 3), (96, 64): (8, 3),
-    (128, 16): (4, 3), (128, 32): (4, 3), (128, 64): (8, 3),
-    (256, 16): (2, 3), (256, 32): (4, 3), (256, 64): (4, 3),
-})
-
-
-# ------------------------------------------------------------------------------------------ plan
-@dataclass(frozen=True)
-class Rows:
-    """How the query rows of one kv head are packed into m tiles: row r of a tile is query head
-    ``head_block * heads_per_tile + r // q_per_tile`` of the group at position
-    ``q_block * q_per_tile + r % q_per_tile``."""
-
-    br: int
-    heads_per_tile: int
-    q_per_tile: int
-    head_blocks: int
-    m_tiles: int
-
-
-def pack_rows(group: int, q_len: int, shared_mask: bool = True) -> Rows:
-    """The m tiles of one kv head: its ``group`` query heads (one at a time when the mask differs
-    per head) times ``q_len`` positions, at most 64 rows a tile."""
-    heads = group if shared_mask else 1
-    rows = heads * q_len
-    if rows <= 64:
-        br = next(b for b in (16, 32, 64) if rows <= b)
-        per_tile_heads, per_tile_q = heads, q_len
-    elif heads <= 64:
-        br, per_tile_heads, per_tile_q = 64, heads, 64 // heads
-    else:
-        br, per_tile_heads, per_tile_q = 64, 64, 1
-    head_blocks = cdiv(group, per_tile_heads)
-    return Rows(br, per_tile_heads, per_tile_q, head_blocks, head_blocks * cdiv(q_len, per_tile_q))
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Rule mode: which keys a row sees (module docstring); ``q_abs``: score modifiers see the
-    query's position ``pos`` as q_idx (paged caches) instead of its row index i (attention())."""
-
-    causal: bool = False
-    window: int = 0
-    bottom_right: bool = False
-    q_abs: bool = False
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """The split kernel's launch, the combine's (None with one split), and how rows and keys are cut."""
-
-    split: Plan
-    combine: Optional[Plan]
-    rows: Rows
-    num_splits: int
-    rule: Optional[Rule]  # None in mask mode
-    reason: str
-    #: the split kernel merges the splits itself (last CTA per unit; combine is None then)
-    fused: bool = False
-
-    @property
-    def kernels(self) -> tuple[str, ...]:
-        return (self.split.kernel,) + ((self.combine.kernel,) if self.combine else ())
-
-    def describe(self) -> str:
-        r = self.rows
-        mode = "block mask" if self.rule is None else (
-            f"rule (causal={self.rule.causal}, window={self.rule.window or None}, bottom_right={self.rule.bottom_right})")
-        merge = (f" + {self.combine.kernel}" if self.combine else
-                 " (merged by the last CTA of each unit)" if self.fused else "")
-        text = (f"decode: {self.split.kernel} x {self.num_splits} splits{merge}\n"
-                f"  m tile {r.br} rows = {r.heads_per_tile} query heads x {r.q_per_tile} positions, "
-                f"{r.m_tiles} m tiles per kv head; {mode}\n"
-                f"  grid {self.split.grid}, block {self.split.block}, {self.split.smem_bytes} bytes of shared memory\n"
-                f"  why: {self.reason}")
-        return text
-
-    def __str__(self) -> str:
-        return self.describe()
-
-
-@functools.lru_cache(maxsize=None)
-def device_sms(device_id: int) -> int:
-    cp = arrays.cupy_module()
-    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
-def _sms(num_sms: Optional[int]) -> int:
-    if num_sms is not None:
-        return check_int(num_sms, "num_sms", minimum=1)
-    if arrays.gpu_available():
-        return device_sms(arrays.cupy_module().cuda.runtime.getDevice())
-    return DEFAULT_SMS
-
-
-#: Sequences of different lengths, when their CTAs already fill the machine: split until there are
-#: this many waves of CTAs (so that the long sequences' CTAs do not run alone at the end), keeping
-#: at least RAGGED_MIN_KEYS keys per split (each CTA has a fixed cost: Q, ring fill, merge).
-RAGGED_WAVES = 4
-RAGGED_MIN_KEYS = 8192
-
-
-def choose_splits(units: int, tiles: int, kv_groups: int, ctas_per_sm: int, num_sms: int, ragged: bool = False) -> int:
-    """How many CTAs share one (m tile, kv head, batch)'s keys.
-
-    ``units`` CTAs exist without splitting, each walking up to ``tiles`` 32-key tiles. Splits fill
-    the machine: among the split counts that leave every kv group at least MIN_TILES_PER_GROUP
-    tiles, the smallest whose wave efficiency (CTAs over the slots of the waves they take) is
-    within WAVE_TOLERANCE of the best. Fewer splits mean less partial traffic and a cheaper
-    combine. With ``ragged`` lengths (or lengths known only on the device) the work per CTA
-    differs: when the CTAs fill at least one wave anyway, the split count also reaches
-    RAGGED_WAVES waves, for balance (measured on the H200, B 32, lengths 1k-128k: 3.22 -> 3.83
-    TB/s; splitting below one wave or below RAGGED_MIN_KEYS keys per split cost up to 40 %)."""
-    slots = num_sms * max(1, ctas_per_sm)
-    most = max(1, min(MAX_SPLITS, tiles // (MIN_TILES_PER_GROUP * kv_groups)))
-
-    def efficiency(s: int) -> float:
-        ctas = units * s
-        return ctas / (cdiv(ctas, slots) * slots)
-
-    best = max(efficiency(s) for s in range(1, most + 1))
-    splits = next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_TOLERANCE * best)
-    if ragged and units * splits >= slots:
-        balance = min(most, tiles // (RAGGED_MIN_KEYS // DECODE_BC), cdiv(RAGGED_WAVES * slots, units))
-        splits = max(splits, balance)
-    return splits
-
-
-def _ctas_per_sm(variant: Variant, arch: Optional[str]) -> int:
-    per_sm = smem_limit(arch or "sm_90") + 1024  # the opt-in limit per block, plus the reserved 1 KB
-    by_smem = per_sm // (variant.smem_bytes + 1024)
-    return max(1, min(by_smem, 2048 // variant.threads))
-
-
-def decode_variant(head_dim: int, dtype: str, br: int, *, causal: bool, partial: bool,
-                   score_expr: Optional[tuple], arch: Optional[str]) -> Variant:
-    """The split kernel for this tile, with its ring trimmed to the arch's shared memory. A head dim
-    between the tiles' runs padded on the next one (Variant.head_dim_valid)."""
-    valid, head_dim = head_dim, tile_head_dim(head_dim)
-    warps, stages = DECODE_TILES[(head_dim, br)]
-    row_warps = br // DECODE_WARP_ROWS
-    limit = smem_limit(arch or "sm_90")
-    while True:
-        v = Variant(head_dim, dtype, br, DECODE_BC, warps, stages, causal, partial, score_expr=score_expr,
-                    operation="decode", head_dim_valid=valid)
-        if v.smem_bytes <= limit:
-            return v
-        if stages > 2:
-            stages -= 1
-        elif warps > row_warps:
-            warps -= row_warps
-        else:
-            raise ArgumentError(f"no decode tile for head_dim {head_dim} fits {limit} bytes of shared memory")
-
-
-def combine_variant(head_dim: int, dtype: str) -> Variant:
-    return Variant(tile_head_dim(head_dim), dtype, COMBINE_WARPS, DECODE_BC, COMBINE_WARPS, 1, operation="combine",
-                   head_dim_valid=head_dim)
-
-
-def plan_split_kv(*, head_dim: int, dtype: str, batch: int, heads: int, kv_heads: int, q_len: int,
-                  longest: int, rows: Rows, rule: Optional[Rule], mask_features: tuple[bool, bool] = (False, False),
-                  score_expr: Optional[tuple] = None, num_splits: Optional[int] = None, ragged: bool = False,
-                  arch: Optional[str] = None, num_sms: Optional[int] = None, why: str = "",
-                  fused_combine: Optional[bool] = None) -> DecodePlan:
-    """Plan both kernels. ``longest``: the most keys one tile's walk can cover (bounds the splits);
-    ``ragged``: sequence lengths differ or are not known on the host (choose_splits); ``rule`` None
-    means mask mode with ``mask_features`` (causal, partial); ``fused_combine`` (default
-    FUSED_COMBINE) merges the splits in the split kernel. Plans are cached: a decode loop plans
-    once per power of two of its longest sequence."""
-    longest = 1 << max(longest - 1, 0).bit_length()
-    fused = FUSED_COMBINE if fused_combine is None else bool(fused_combine)
-    return _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features,
-                          score_expr, num_splits, ragged, arch, _sms(num_sms), why, fused, settings())
-
-
-def settings() -> tuple:
-    """What a plan depends on beside the call, read now: this module's tunables. Tuning tools and
-    tests change them between calls, so the plan cache and the steady-state keys (ops/forward.py,
-    ops/paged.py) include them: a changed tunable plans anew instead of replaying an old launch.
-    DECODE_MAX_ROWS decides whether attention() takes the decode kernel at all."""
-    return (FUSED_COMBINE, DECODE_MAX_ROWS, MAX_SPLITS, MIN_TILES_PER_GROUP, WAVE_TOLERANCE, RAGGED_WAVES,
-            RAGGED_MIN_KEYS, COMBINE_WARPS, DECODE_TILES)
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_split_kv(head_dim, dtype, batch, heads, kv_heads, q_len, longest, rows, rule, mask_features, score_expr,
-                   num_splits, ragged, arch, sms, why, fused=False, tunables=()) -> DecodePlan:
-    # ``tunables`` (settings()) is only part of the cache key: the body reads the module's values.
-    if rule is not None:
-        causal, partial = rule.causal or rule.window > 0, False
-    else:
-        causal, partial = mask_features
-    split_v = decode_variant(head_dim, dtype, rows.br, causal=causal, partial=partial, score_expr=score_expr,
-                             arch=arch)
-    units = batch * kv_heads * rows.m_tiles
-    if num_splits is None:
-        splits = choose_splits(units, cdiv(max(longest, 1), DECODE_BC), split_v.kv_groups,
-                               _ctas_per_sm(split_v, arch), sms, ragged)
-        how = (f"{splits} splits from the heuristic ({units} CTAs unsplit, {sms} SMs, up to {longest} keys"
-               + (", ragged lengths" if ragged else "") + ")")
-    else:
-        splits = num_splits
-        how = f"{splits} splits as asked"
-    grid = units * splits
-    if grid >= 2**31:
-        raise ArgumentError(f"decode: {grid} CTAs exceed the grid limit; use fewer splits")
-    split_plan = Plan(variant=split_v, grid=(grid, 1, 1), block=(split_v.threads, 1, 1),
-                      smem_bytes=split_v.smem_bytes, q_tile_order=None, arch=arch,
-                      reason=f"split-KV decode: {why}; {how}")
-    combine_plan = None
-    fused = fused and splits > 1
-    if splits > 1 and not fused:
-        cv = combine_variant(head_dim, dtype)
-        out_rows = batch * heads * q_len
-        combine_plan = Plan(variant=cv, grid=(cdiv(out_rows, COMBINE_WARPS), 1, 1), block=(cv.threads, 1, 1),
-                            smem_bytes=0, q_tile_order=None, arch=arch,
-                            reason=f"merge {splits} partial rows per output row")
-    return DecodePlan(split_plan, combine_plan, rows, splits, rule, split_plan.reason, fused)
-
-
-def shipped_variants(arch: Optional[str] = None, head_dims=SUPPORTED_HEAD_DIMS, dtypes=("fp16", "bf16")) -> list[Variant]:
-    """Every decode tile with every mask-feature combination, and the combines: what a precompile
-    builds (score-modifier variants are built on first use)."""
-    out = []
-    for hd in head_dims:
-        for dt in dtypes:
-            for br in (16, 32, 64):
-                for causal in (False, True):
-                    for partial in (False, True):
-                        out.append(decode_variant(hd, dt, br, causal=causal, partial=partial, score_expr=None,
-                                                  arch=arch))
-            out.append(combine_variant(hd, dt))
-    return out
 
 
 # ------------------------------------------------------------------------------------ arguments
@@ -342,8 +52,8 @@ def check_num_splits(num_splits: Any) -> Optional[int]:
     if num_splits is None:
         return None
     splits = check_int(num_splits, "num_splits", minimum=1)
-    if splits > MAX_SPLITS:
-        raise ArgumentError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
+    if splits > _plan.MAX_SPLITS:
+        raise ArgumentError(f"num_splits must be <= {_plan.MAX_SPLITS}, got {splits}")
     return splits
 
 
@@ -382,13 +92,6 @@ def _longest(kv_lens: Any, capacity: int) -> int:
     if kv_lens is not None and arrays.is_numpy(kv_lens):
         return int(kv_lens.max()) if kv_lens.size else 0
     return capacity
-
-
-def rule_span(rule: Rule, q_len: int, longest: int) -> int:
-    """The most keys one m tile's walk covers under ``rule``."""
-    if rule.window > 0:
-        return min(longest, rule.window + q_len)
-    return longest
 
 
 # ---------------------------------------------------------------------------- attention() hook
@@ -436,7 +139,7 @@ def decode_plan(inp: Inputs, block_mask: Optional[BlockMask], kv_lens: Any = Non
         if block_mask.kv_block_size % DECODE_BC:
             return refuse(f"kv_block_size must be a multiple of {DECODE_BC}")
     rows = pack_rows(group, inp.q_len, shared)
-    if not forced and (group if shared else 1) * inp.q_len > DECODE_MAX_ROWS:
+    if not forced and (group if shared else 1) * inp.q_len > _plan.DECODE_MAX_ROWS:
         return None
     if arch is None:
         require_gpu()
@@ -574,19 +277,6 @@ def take_device_errors(raise_error: bool = True) -> int:
     return bits
 
 
-def _mask_fields(bm: Optional[BlockMask]) -> dict[str, Any]:
-    if bm is None:
-        return {"kv_num_blocks": None, "kv_indices": None, "block_types": None, "partial_index": None,
-                "partial_masks": None, "mask_row_sb": 0, "mask_row_sh": 0, "max_blocks": 0, "q_block_size": 0,
-                "kv_block_size": 0}
-    meta = bm.device_metadata()
-    return {"kv_num_blocks": meta.kv_num_blocks, "kv_indices": meta.kv_indices,
-            "block_types": meta.block_mask_types, "partial_index": meta.partial_block_mask_indices,
-            "partial_masks": meta.partial_block_masks, "mask_row_sb": meta.row_stride_batch,
-            "mask_row_sh": meta.row_stride_head, "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size,
-            "kv_block_size": bm.kv_block_size}
-
-
 #: Launch fields that launch() allocates per call (the split results the combine merges): the
 #: steady state allocates them anew per call (ops/recall.py, ChainRecipe).
 SCRATCH_FIELDS = ("part_o", "part_ml")
@@ -611,8 +301,6 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
     replays with new pointers (ops/recall.py, ChainRecipe)."""
     cp = arrays.cupy_module()
     B, Hq, Nq, D = (int(n) for n in q.shape)
-    item = q.itemsize
-    qs = [s // item for s in q.strides[:3]]
     os_ = [s // o.itemsize for s in o.strides[:3]]
     kv_heads = cache.kv_heads
     splits = plan.num_splits
@@ -628,7 +316,7 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         "q": q, "k": cache.k, "v": cache.v, "o": o, "lse": lse if splits == 1 or plan.fused else None,
         "part_o": part_o, "part_ml": part_ml,
         "split_counters": split_counters(B * kv_heads * plan.rows.m_tiles) if plan.fused else None,
-        "q_sb": qs[0], "q_sh": qs[1], "q_sn": qs[2],
+        **group.strides(q, "q"),
         "k_sb": cache.k_strides[0], "k_sh": cache.k_strides[1], "k_sn": cache.k_strides[2],
         "v_sb": cache.v_strides[0], "v_sh": cache.v_strides[1], "v_sn": cache.v_strides[2],
         "o_sb": os_[0], "o_sh": os_[1], "o_sn": os_[2],
@@ -648,8 +336,8 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
         # Scores reach the softmax raw, the scale folded into exp2, unless a score modifier needs
         # them scaled first (then the softmax works in natural units).
         "scale_log2": math.log2(math.e) * (1.0 if transforms else scale),
-        **_mask_fields(block_mask if plan.rule is None else None),
-        "user_arrays": list(score_expr.device_arrays()) if score_expr is not None else [],
+        **group.mask_rows(block_mask if plan.rule is None else None),
+        **group.user_arrays(score_expr),
     }
     kernel = jit.get_kernel(plan.split.variant)
     _call(kernel, plan.split.grid, plan.split.block, DECODE, fields, plan.split.smem_bytes, record)
@@ -664,3 +352,17 @@ def launch(plan: DecodePlan, q: Any, cache: KVSource, o: Any, lse: Any, scale: f
 __all__ = ["DecodePlan", "Rows", "Rule", "KVSource", "decode_plan", "run_decode", "decode_attention",
            "plan_split_kv", "launch", "pack_rows", "choose_splits", "take_device_errors", "DECODE_MAX_ROWS",
            "MAX_SPLITS", "DECODE_TILES", "SCRATCH_FIELDS", "FUSED_COMBINE", "TileTable", "settings"]
+
+
+def _forwarded(name: str) -> property:
+    """Reads and writes of tunable ``name`` go to the module that holds it (decode_plan.TUNABLES)."""
+    return property(lambda self: getattr(_plan.tunable_home(name), name),
+                    lambda self, value: setattr(_plan.tunable_home(name), name, value))
+
+
+#: Tuning tools and tests rebind the decode's tunables here (``decode.FUSED_COMBINE = False``,
+#: ``decode.DECODE_TILES = ...``); they live with the plan (dispatch/decode_plan.py) and the slots,
+#: where the planner reads them. Data descriptors on the module's class forward both ways (and a
+#: monkeypatch's undo restores through them).
+_Tunables = type("_Tunables", (types.ModuleType,), {name: _forwarded(name) for name in _plan.TUNABLES})
+sys.modules[__name__].__class__ = _Tunables

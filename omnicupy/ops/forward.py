@@ -6,26 +6,30 @@ check runs before any launch and raises an ArgumentError (or MaskError) naming t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
 from .. import arrays, jit
-from ..dispatch.arch import current_arch
+from ..dispatch.arch import check_arch, current_arch
 from ..dispatch.params import struct_for
 from ..dispatch.plan import Plan, plan_forward
 from ..errors import ArgumentError, CompileError, OmnicupyError
 from ..mask import BlockMask, expressions
 from . import decode, recall, tma
 from .arg_checks import check_decode_args, check_flags, steady_state_possible
+from . import fields as group
 from .inputs import (Bias, Inputs, aligned, check_bias, check_bool, check_device, check_expressions, check_lse_buffer,
                      check_mask_matches, check_out, check_qkv, check_scale, check_score_mod, check_stages, device_out,
                      on_device, require_gpu)
 
+#: What ``causal=`` takes: False, True (= "top_left") or "bottom_right" (docs/design.md, Semantics).
+Causal = Union[bool, Literal["top_left", "bottom_right"]]
 CAUSAL_MODES = {False: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 
 
@@ -65,6 +69,11 @@ def resolve_mask(block_mask: Optional[BlockMask], causal: Any, inp: Inputs) -> B
     return block_mask
 
 
+#: What a plan for a named architecture assumes of the machine that runs it.
+TARGET_ASSUMES = ("assumes the target has a CUDA driver and NVIDIA's cuda-bindings, which encode its TMA tensor "
+                  "maps (without them it runs the wgmma family)")
+
+
 @dataclass(frozen=True)
 class Extras:
     """Per-score work beyond the block mask: bias, a score modifier, a fused mask expression."""
@@ -80,33 +89,22 @@ class Extras:
 
 
 def make_plan(inp: Inputs, bm: BlockMask, stages: Optional[int], extras: Extras, arch: Optional[str],
-              family: Optional[str] = None) -> Plan:
+              family: Optional[str] = None, target: bool = False) -> Plan:
+    """The forward Plan. ``target``: planning for a named GPU, not this machine's: what the tma family
+    needs of the driver (tensor maps encoded through cuda-bindings) is assumed of the target, and the
+    plan says so; only what the inputs themselves decide (strides, alignment) moves it to wgmma."""
     plan = plan_forward(head_dim=inp.head_dim, dtype=inp.dtype, batch=inp.batch, heads=inp.heads, block_mask=bm,
                         stages=stages, bias=extras.bias.dtype if extras.bias else None,
                         mask_expr=extras.mask_expr.key if extras.mask_expr else None,
                         score_expr=extras.score_expr.key if extras.score_expr else None, arch=arch, family=family)
     if plan.variant.family == "tma":  # inputs TMA cannot address run on the wgmma family (ops/tma.py)
-        why = tma.unusable(plan.variant, {"q": inp.q, "k": inp.k, "v": inp.v}, inp.dtype)
+        why = tma.unusable(plan.variant, {"q": inp.q, "k": inp.k, "v": inp.v}, inp.dtype, need_driver=not target)
         if why is not None:
             logging.getLogger("omnicupy").info(f"omnicupy: tma family not used ({why}); wgmma instead")
-            return make_plan(inp, bm, stages, extras, arch, family="wgmma")
+            return make_plan(inp, bm, stages, extras, arch, family="wgmma", target=target)
+        if target:
+            plan = dataclasses.replace(plan, reason=plan.reason + f"; {TARGET_ASSUMES}")
     return plan
-
-
-def _element_strides(x: Any, prefix: str) -> dict[str, int]:
-    item = x.itemsize
-    return {f"{prefix}_s{axis}": s // item for axis, s in zip("bhn", x.strides[:3])}
-
-
-def _bias_fields(bias: Optional[Bias]) -> dict[str, Any]:
-    if bias is None:
-        return {"bias": None, "bias_sb": 0, "bias_sh": 0, "bias_sq": 0, "bias_sk": 0}
-    b = arrays.to_cupy(bias.array, "bias")
-    check_device(b, "bias")
-    st = [s // b.itemsize if n > 1 else 0 for s, n in zip(b.strides, b.shape)]
-    if b.ndim == 3:  # vector bias: the same row for every query
-        st = st[:2] + [0] + st[2:]
-    return {"bias": b, "bias_sb": st[0], "bias_sh": st[1], "bias_sq": st[2], "bias_sk": st[3]}
 
 
 def _on_device(bm: BlockMask, what: tuple, host: Optional[np.ndarray]):
@@ -138,24 +136,19 @@ def _launch(inp: Inputs, o, lse, bm: BlockMask, scale: float, plan: Plan, extras
         if not exprs:
             raise
         raise CompileError(f"the CUDA expression(s) {exprs} did not compile:\n{exc}") from None
-    meta = bm.device_metadata()
-    user_arrays = [a for e in (extras.mask_expr, extras.score_expr) if e is not None for a in e.device_arrays()]
     fields = {
         "q": inp.q, "k": inp.k, "v": inp.v, "o": o, "lse": lse,
-        **_element_strides(inp.q, "q"), **_element_strides(inp.k, "k"), **_element_strides(inp.v, "v"),
-        **_element_strides(o, "o"),
+        **group.strides(inp.q, "q"), **group.strides(inp.k, "k"), **group.strides(inp.v, "v"),
+        **group.strides(o, "o"),
         "num_heads": inp.heads, "q_len": inp.q_len, "kv_len": inp.kv_len, "kv_group": inp.heads // inp.kv_heads,
         "scale": scale,
         # The softmax works on raw scores with the scale folded into exp2, unless the kernel
         # already scaled them (per-score extras): then in natural units.
         "scale_log2": math.log2(math.e) * (1.0 if extras.transforms_scores else scale),
-        "kv_num_blocks": meta.kv_num_blocks, "kv_indices": meta.kv_indices, "block_types": meta.block_mask_types,
-        "partial_index": meta.partial_block_mask_indices, "partial_masks": meta.partial_block_masks,
-        "mask_row_sb": meta.row_stride_batch, "mask_row_sh": meta.row_stride_head,
-        "max_blocks": bm.max_blocks, "q_block_size": bm.q_block_size, "kv_block_size": bm.kv_block_size,
+        **group.mask_rows(bm),
         "q_tile_order": _on_device(bm, ("order", plan.variant.br), plan.q_tile_order),
-        **_bias_fields(extras.bias),
-        "user_arrays": user_arrays,
+        **group.bias(extras.bias),
+        **group.user_arrays(extras.mask_expr, extras.score_expr),
     }
     params, maps = struct_for(plan.operation, plan.variant.family), None
     if plan.variant.family == "tma":  # TMA tensor maps of q, k, v (ops/tma.py; cached per buffer)
@@ -183,7 +176,7 @@ def _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     return inp, bm, extras
 
 
-def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Any = False,
+def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, causal: Causal = False,
          stages: Optional[int] = None, bias: Any = None, score_mod: Any = None, fuse_mask: bool = False,
          arch: Optional[str] = None, kv_lens: Any = None,
          num_splits: Optional[int] = None) -> "Plan | decode.DecodePlan":
@@ -200,6 +193,8 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
     ``kv_lens`` / ``num_splits`` given), the answer is that kernel's ``decode.DecodePlan``
     (split count, m tile packing, the combine) instead.
     """
+    target = arch is not None
+    arch = check_arch(arch) if target else None
     inp, bm, extras = _check_call(q, k, v, block_mask, causal, stages, bias, score_mod, fuse_mask)
     if arch is None:
         require_gpu()
@@ -208,7 +203,7 @@ def plan(q: Any, k: Any, v: Any, block_mask: Optional[BlockMask] = None, *, caus
                                   causal=causal, score_expr=extras.score_expr, bias=extras.bias, arch=arch)
     if split_kv is not None:
         return split_kv
-    return make_plan(inp, bm, stages, extras, arch)
+    return make_plan(inp, bm, stages, extras, arch, target=target)
 
 
 def _steady_key(q, k, v, out, kv_lens, block_mask, causal, scale, bias, score_mod, return_lse, stages, fuse_mask,
@@ -246,7 +241,7 @@ def attention(
     v: Any,
     block_mask: Optional[BlockMask] = None,
     *,
-    causal: bool = False,
+    causal: Causal = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
     stages: Optional[int] = None,

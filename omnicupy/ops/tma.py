@@ -110,9 +110,10 @@ class TensorLayout:
         return tuple(out)
 
 
-def unusable(variant: Variant, tensors: dict[str, Any], dtype: str) -> Optional[str]:
+def unusable(variant: Variant, tensors: dict[str, Any], dtype: str, need_driver: bool = True) -> Optional[str]:
     """Why TMA cannot read these inputs ({name: array}: q, k, v for the tma forward; q, dout for the
-    warp-specialized backward), or None."""
+    warp-specialized backward), or None. ``need_driver`` False: planning for another machine, whose
+    driver and cuda-bindings are assumed (ops/forward.py TARGET_ASSUMES)."""
     if variant.head_dim % BOX_COLS:
         return f"head_dim {variant.head_dim} is not a multiple of {BOX_COLS}"
     for name, x in tensors.items():
@@ -122,7 +123,7 @@ def unusable(variant: Variant, tensors: dict[str, Any], dtype: str) -> Optional[
         ptr = x.data.ptr if arrays.is_cupy(x) else None  # host arrays: copied aligned before the launch
         if ptr is not None and ptr % STRIDE_ALIGN:
             return f"{name} starts at an address that is not {STRIDE_ALIGN}-byte aligned"
-    if not available():
+    if need_driver and not available():
         return "cuda-bindings is not installed"
     return None
 

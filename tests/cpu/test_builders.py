@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from omnicupy import BlockMask, arrays, masks
-from omnicupy.mask import blocks, builders
+from omnicupy.mask import blocks, build_pass, builders
 from omnicupy.mask.block_mask import BlockType, cdiv, validate_metadata
 from omnicupy.mask.mask_mod import LookupTable
 from omnicupy.errors import MaskError
@@ -161,7 +161,7 @@ def test_block_rows_follow_the_per_block_rule(factory, q_len, kv_len, qbs, kbs):
 
 
 def test_evaluation_is_chunked(monkeypatch, host_default):
-    monkeypatch.setattr(builders, "CHUNK_ELEMENTS", 64 * 64 * 3)
+    monkeypatch.setattr(build_pass, "CHUNK_ELEMENTS", 64 * 64 * 3)
     sizes = []
 
     def recording(b, h, q_idx, kv_idx):
@@ -180,7 +180,7 @@ def test_device_chunks(factory, monkeypatch):
     """Several device chunks (each keeps only its partial blocks' bits) give the metadata of one."""
     mod = factory(1000, 700)
     one = builders.from_mask_mod(mod, None, 2, 1000, 700, q_block_size=64, kv_block_size=64, xp=HOST_AS_DEVICE)
-    monkeypatch.setattr(builders, "DEVICE_CHUNK_ELEMENTS", 64 * 64 * 3)
+    monkeypatch.setattr(build_pass, "DEVICE_CHUNK_ELEMENTS", 64 * 64 * 3)
     for use_structure in (True, False):
         assert_same_metadata(one, builders.from_mask_mod(mod, None, 2, 1000, 700, q_block_size=64, kv_block_size=64,
                                                          xp=HOST_AS_DEVICE, use_structure=use_structure))

@@ -15,7 +15,7 @@ import pytest
 
 from omnicupy import BlockMask, MaskError, masks
 from omnicupy.dispatch import schedule
-from omnicupy.mask import builders, display, kernels, layout
+from omnicupy.mask import build_pass, builders, display, kernels, layout
 from omnicupy.mask.types import BLOCK_CHARS, BlockType, cdiv
 
 from helpers import random_block_mask, shuffled
@@ -256,7 +256,7 @@ def test_structured_device_builds_wait_only_on_their_own_stream(factory, recordi
 
 
 def test_evaluated_device_builds_wait_once_per_chunk(recording, monkeypatch):
-    monkeypatch.setattr(builders, "DEVICE_CHUNK_ELEMENTS", 64 * 64 * 10)
+    monkeypatch.setattr(build_pass, "DEVICE_CHUNK_ELEMENTS", 64 * 64 * 10)
     mod = masks.dilated_sliding_window(20, 3)
     bm = builders.from_mask_mod(mod, None, None, 1000, 1000, q_block_size=64, kv_block_size=64, xp=HOST_AS_DEVICE)
     (backend,) = recording

@@ -153,12 +153,18 @@ def test_encode_is_cached_per_pointer_and_layout():
 
 
 # ---------------------------------------------------------------- fallback
-def test_no_tensor_maps_means_the_wgmma_family(monkeypatch):
+def test_no_tensor_maps_means_the_wgmma_family_where_the_call_runs(monkeypatch):
+    """Without tensor maps here, a call here runs the wgmma family; a plan for a named arch
+    describes the target, whose driver and cuda-bindings it assumes (and says so)."""
+    from omnicupy.ops import forward
+
     monkeypatch.setenv("OMNICUPY_MMA", "tma")
     monkeypatch.setattr(tma, "available", lambda: False)
     x = np.zeros((1, 2, 300, 128), np.float16)
+    inp, bm, extras = forward._check_call(x, x, x, None, True, None, None, None, False)
+    assert forward.make_plan(inp, bm, None, extras, "sm_90").variant.family == "wgmma"
     plan = omnicupy.plan(x, x, x, causal=True, arch="sm_90")
-    assert plan.variant.family == "wgmma"
+    assert plan.variant.family == "tma" and "cuda-bindings" in plan.reason
 
 
 def test_tensor_maps_available_means_the_tma_family(monkeypatch):
