@@ -11,7 +11,8 @@ import omnicupy
 from omnicupy import MaskError
 from omnicupy.mask import families
 
-import test_compile_mask_property as prop
+import mask_mod_strategies as prop
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.gpu
 
@@ -22,8 +23,8 @@ def _grid(cp, batch, heads, q0, n_q, kv0, n_kv):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(expr=prop.bool_exprs, n_q=prop.st.integers(1, 300), n_kv=prop.st.integers(1, 300),
-       q0=prop.st.integers(0, 800), kv0=prop.st.integers(0, 800))
+@given(expr=prop.bool_exprs, n_q=st.integers(1, 300), n_kv=st.integers(1, 300),
+       q0=st.integers(0, 800), kv0=st.integers(0, 800))
 def test_cuda_text_equals_its_host_emulation(expr, n_q, n_kv, q0, kv0):
     import cupy as cp
 
