@@ -98,12 +98,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
+    ap.add_argument("--cache-new", default="", help="kernel cache of the tree under test (default: a new folder)")
+    ap.add_argument("--cache-old", default="", help="kernel cache of omnicupy_base (default: a new folder)")
     args = ap.parse_args()
     import cupy as cp
     from triton.testing import do_bench
 
     root = Path(tempfile.mkdtemp(prefix="ab_"))
-    new, old = _load("omnicupy", root / "new"), _load("omnicupy_base", root / "old")
+    new = _load("omnicupy", Path(args.cache_new) if args.cache_new else root / "new")
+    old = _load("omnicupy_base", Path(args.cache_old) if args.cache_old else root / "old")
     cases = [c for c in _cases(cp) if not args.only or any(s in c[0] for s in args.only.split(","))]
     rows = []
     for name, make in cases:

@@ -59,9 +59,11 @@ class _NvrtcStatus(CompileError):
 def _bytes_out(what: str, size_function, get_function, prog) -> bytes:
     """A buffer NVRTC fills (log, cubin): ask its size, then let NVRTC write it."""
     (size,) = _call(f"{what}Size", size_function, prog)
-    buffer = b" " * int(size)
+    # A bytearray of its own: never ``b" " * size``, which for size 1 (an empty log) is CPython's
+    # shared one-byte object, and NVRTC's write would then change every b" " in the process.
+    buffer = bytearray(int(size))
     _call(what, get_function, prog, buffer)
-    return buffer
+    return bytes(buffer)
 
 
 @functools.lru_cache(maxsize=1)

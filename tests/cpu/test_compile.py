@@ -252,3 +252,26 @@ def test_compile_reports_the_variants_own_entry(log, name, expected):
     by the variant's own kernel: the cache once recorded whichever ptxas listed first (the backward's
     conversion kernel: 22 registers, no spills, for a main kernel at 255 that spills)."""
     assert compiler._named_report(log, name) == expected
+
+
+def test_nvrtc_buffers_are_never_shared_bytes_objects():
+    """NVRTC writes into the buffer it is given. ``b" " * 1`` is CPython's shared one-byte object, so
+    a one-byte buffer (an empty log) made that way once turned every b" " in the process into NUL
+    (torch then failed to parse its own operator schemas). Each buffer must be a fresh bytearray."""
+    nvrtc = compiler._nvrtc()
+    seen = []
+
+    def size_function(prog):
+        return nvrtc.nvrtcResult.NVRTC_SUCCESS, 1
+
+    def get_function(prog, buffer):
+        seen.append(buffer)
+        buffer[0] = 0  # what NVRTC does with an empty log
+        return (nvrtc.nvrtcResult.NVRTC_SUCCESS,)
+
+    out = compiler._bytes_out("nvrtcGetProgramLog", size_function, get_function, None)
+    assert out == b"\0" and isinstance(seen[0], bytearray)
+    assert bytes([32]) == b" " and (b" " * 1)[0] == 32  # the shared object is untouched
+    compiler.compile_ptx('extern "C" __global__ void k() {}', name="k")
+    compiler.compile_cubin('extern "C" __global__ void k() {}', name="k", arch="sm_80")
+    assert bytes([32]) == b" "

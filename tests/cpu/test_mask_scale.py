@@ -230,7 +230,7 @@ def recording(monkeypatch):
         made.append(RecordingBackend(xp))
         return made[-1]
 
-    monkeypatch.setattr(builders, "backend_for", backend_for)
+    monkeypatch.setattr(build_pass, "backend_for", backend_for)  # where _Build asks for its backend
     return made
 
 
