@@ -80,7 +80,7 @@ __device__ __forceinline__ QTile next_q_tile(const P& p, int batch, int hk, int 
 
 // The q tile after `cur`: the next tile of the same q block where there is one, with no loads (a
 // step of the walk above is a chain of dependent global loads, which every warp of the mma.sync
-// kernel waits for at each q tile, NOTES.md §40), else the walk.
+// kernel waits for at each q tile, lab/notes/backward.md#s40), else the walk.
 template <class C, class P>
 __device__ __forceinline__ QTile after_q_tile(const P& p, int batch, int hk, int kv0, const QTile& cur,
                                               bool deterministic) {
@@ -203,7 +203,7 @@ __device__ __forceinline__ void masked_probs(float (&pf)[4], float (&g)[4], cons
       if (kStagedBits) {  // the kv tile starts a group of kBc / 32 words: its word is (kv_bit0 / 32) % that
         constexpr int kWords = C::kBc / 32;
         // Spelled q_local * (kWords * 4) + ...: the same sum as (q_local * kWords + ...) * 4 spilled
-        // 160 bytes instead of 56 in the warp-specialized kernel (NOTES.md §32).
+        // 160 bytes instead of 56 in the warp-specialized kernel (lab/notes/backward.md#s32).
         const u32 at = st.staged + q_local * (kWords * 4) + ((kv_bit0 / 32) % kWords) * 4;
         asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(at));
       } else {

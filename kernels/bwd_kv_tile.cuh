@@ -20,7 +20,7 @@
 // form two q parts: the warps of part h compute Sᵀ, dPᵀ and their dV, dK terms for q columns
 // h kBr/2 .. of each q tile over twice as many kv rows per warp (the Q and dO fragments each warp
 // reads from shared memory then serve two m16 tiles: a quarter less shared-memory traffic per q
-// tile at D = 64, NOTES.md §40), and the parts' dK and dV partial sums meet once, in the epilogue.
+// tile at D = 64, lab/notes/backward.md#s40), and the parts' dK and dV partial sums meet once, in the epilogue.
 // At D = 128 the dK and dV of 32 rows do not fit a warp's registers: there (kColumnParts) the parts
 // split dK and dV's columns instead, and both read Pᵀ and dSᵀ of the whole q tile back from shared
 // memory. Sᵀ, dPᵀ, Pᵀ and dSᵀ live in the m16n8 accumulator layout (lane l: rows l/4 and l/4 + 8,
@@ -288,8 +288,8 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     // fragments reuse those registers; with column parts the products go before the reductions
     // (+3-7 % at D = 128) but with PARTIAL blocks (-2 %, 356 bytes of spills against 32); at D = 64
     // after them (before, their register fragments spilled 56-84 bytes for -1..+4 %), where they
-    // run while the reductions drain (NOTES.md §40). The fixed-point entry, whose integer reductions
-    // are twice as many, puts them first with PARTIAL blocks too (-4..-5 %, NOTES.md §42). ----
+    // run while the reductions drain (lab/notes/backward.md#s40). The fixed-point entry, whose integer reductions
+    // are twice as many, puts them first with PARTIAL blocks too (-4..-5 %, lab/notes/backward.md#s42). ----
     constexpr bool kProductsFirst = C::kColumnParts && (!C::kHasPartial || kFixedPoint);
     const auto dkv_products = [&]() {
       if (C::kColumnParts) {

@@ -10,7 +10,7 @@
 // Fixed-point dQ (deterministic=True in both families; p.dq_unit set): the kv tiles add their
 // dQ contributions as 32-bit integers, round(c * unit_i) for row i, and integer adds give the same
 // sum in any order, so no kv tile waits for another (the ordered fp32 adds they replace cost
-// 1.2-2x the default's time: NOTES.md §38). unit_i = 2^x is chosen per row so that no partial sum
+// 1.2-2x the default's time: lab/notes/backward.md#s38). unit_i = 2^x is chosen per row so that no partial sum
 // can leave the int32 range:
 //   |dQ_i[d]| <= sum_j |dS_ij| |K_j[d]| <= (|dO_i| max_j |V_j| + |delta_i|) max_j,d |K_j[d]| sum_j P_ij
 // (|dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|; dS_ij = P_ij (dP_ij - delta_i) times a score modifier's
@@ -36,7 +36,7 @@ constexpr int kRowWarps = 8;  // warps per CTA of the row kernels (dispatch/vari
 
 // How a warp covers rows of kHeadDimValid columns: kLanes lanes per row (its 16-byte chunks rounded
 // up to a power of two), kRowsPerWarp rows. With one warp per row, D = 64 kept 8 of 32 lanes busy
-// and both kernels ran at a third of the DRAM bandwidth (NOTES.md §27). Mirrored by
+// and both kernels ran at a third of the DRAM bandwidth (lab/notes/backward.md#s27). Mirrored by
 // omnicupy/dispatch/variant.py row_kernel_rows (the templates static_assert that they agree).
 template <int kHeadDimValid>
 struct RowShape {

@@ -26,7 +26,7 @@
 // LSE/delta loads, the dQ order and the epilogue are bwd_common.cuh's, shared with it. The dQ adds
 // are this kernel's own: one element pair per lane and instruction (red.global, the mma.sync
 // kernel's) kept the LSU and L2 so busy that the kernel ran 1.7x slower than with no dQ adds at all
-// (NOTES.md §21); a few 4-16 KB bulk reductions per q tile leave that work to the async proxy.
+// (lab/notes/backward.md#s21); a few 4-16 KB bulk reductions per q tile leave that work to the async proxy.
 //
 // dK and dV stay in registers across the whole walk. With two consumer warpgroups (kBc = 128) each
 // computes dQ for half of the head dim's columns over all kBc kv rows.
@@ -97,7 +97,7 @@ struct Smem {
 // Q row r of PARTIAL q tile t: its kBc / 32 words over the kv tile at kv0 (from the pool's block
 // pidx, bwd::partial_index) to shared address `dst`, one copy. Masking then reads shared memory:
 // from the pool, two dependent global loads sat between the Sᵀ and dV products, and a PARTIAL q
-// tile took 1.35x (D = 128) to 1.49x (D = 64) a FULL one (NOTES.md §32).
+// tile took 1.35x (D = 128) to 1.49x (D = 64) a FULL one (lab/notes/backward.md#s32).
 template <class C, class P>
 __device__ __forceinline__ void load_bits_async(u32 dst, const P& p, const QTile& t, int pidx, int kv0, int r) {
   const int kv_block = kv0 / p.kv_block_size, words = p.kv_block_size / 32;
@@ -118,7 +118,7 @@ __device__ __forceinline__ void load_bits_async(u32 dst, const P& p, const QTile
 // c ^ (r % 8): the eight rows a fragment store touches then fill all 32 banks), and the warp reads
 // its own rows back as 16-byte chunks, whole rows per pass of 32 lanes, for whole-chunk global
 // stores. Written from the fragments, each store covered 16 bytes of 8 rows, and the epilogue took
-// 5-6 us of a warp-specialized CTA (the phase timings of NOTES.md §32). dk_stage, dv_stage: kBc
+// 5-6 us of a warp-specialized CTA (the phase timings of lab/notes/backward.md#s32). dk_stage, dv_stage: kBc
 // rows of kHeadDim * 2 bytes each, free of readers (both kernels pass their Q and dO buffers).
 template <class C, class T, class P>
 __device__ __forceinline__ void store_dk_dv_staged(const P& p, int batch, int hk, int kv0, int warp_row0,
@@ -433,7 +433,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     load_tile_async<kBr, S::kChunks, S::kThreads>(sdO + buf * S::kQBytes, p.dout + batch * p.do_sb + head * p.do_sh,
                                                   p.do_sn, t.q0, q_len, threadIdx.x);
     // threads 0 .. kBr / 2 - 1 (3 kBr / 4 - 1 with the units: in shared memory with LSE and delta,
-    // since read from global memory where dQ is staged their latency cost 6-10 %, NOTES.md §38)
+    // since read from global memory where dQ is staged their latency cost 6-10 %, lab/notes/backward.md#s38)
     bwd::load_row_stats_async<kBr, kDeterministic>(sLse, sDelta, buf, p, batch, head, t.q0, tid, sUnit);
     if (kStagedBits && t.type == kPartial && tid >= S::kThreads - kBr)  // the last kBr threads: a q row each
       load_bits_async<C>(sBits + (buf * kBr + tid - (S::kThreads - kBr)) * S::kBitsRowBytes, p, t,
@@ -459,7 +459,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
   // Who adds the staged dQ: at D = 128 each warp its own rows as soon as they are staged (no CTA
   // barrier; 3.5-6 % faster than below, and the bias variants keep their registers), elsewhere
   // thread 0 the whole q tile after a barrier (at D = 64 the per-warp adds measured 3.5-4 % slower;
-  // NOTES.md §21).
+  // lab/notes/backward.md#s21).
   constexpr bool kWarpReductions = C::kHeadDim >= 128;
 
   float acc_dk[S::kDTiles][4], acc_dv[S::kDTiles][4];
@@ -527,7 +527,7 @@ __device__ __forceinline__ void kv_tile_backward(const P& p, unsigned char* smem
     issue_dk<C>(acc_dk, ds_t, acc_dp, acc_s, delta_s, d, buf_off, lane);
     bwd::store_ds_rows<kLdS>(sdS, ds_t[0], warp_row0 + lane / 4, (lane % 4) * 2);
     // The previous q tile's reductions have had most of this one to read its staged dQ: wait for
-    // them here, not at the loop top (where that wait was the kernel's largest stall, NOTES.md §25).
+    // them here, not at the loop top (where that wait was the kernel's largest stall, lab/notes/backward.md#s25).
     if (kWarpReductions ? lane == 0 : tid == 0) bulk_wait_read<0>();
     __syncthreads();  // dSᵀ complete: dQ contracts over the kv rows of every warp; the other buffer is free
     const QTile nxt = bwd::after_q_tile<C>(p, batch, hk, kv0, cur, false);

@@ -12,7 +12,7 @@
 //             128-byte swizzled layout, each thread fencing its landed copies for the async proxy
 //             and arriving on "full". Issuing Q and dO by cp.async took the loaders ~5,100 of
 //             their ~5,800 cycles per q tile, and the consumers waited ~1,100 per tile for them
-//             (NOTES.md §33)
+//             (lab/notes/backward.md#s33)
 //     warp 1  dQ writer: per q tile, once the consumers have staged dQ (fp32, the accumulator's
 //             tile layout, kernels/dq_tiles.cuh), adds it to the workspace with bulk reductions
 //             and frees the staging buffer when they have read it (deterministic: int32 fixed
@@ -25,14 +25,14 @@
 //
 // So a consumer waits on three things per q tile: its stage's data, the other consumers' dSᵀ, and
 // (rarely) the writer's reads of the previous dQ. The single-warpgroup kernel waited on its own
-// copies, three CTA barriers and the previous tile's reductions (NOTES.md §23).
+// copies, three CTA barriers and the previous tile's reductions (lab/notes/backward.md#s23).
 //
 // Every mbarrier completes once per q tile (kv_full once per CTA), and "full" and "dQ full" once
 // more for the end: the q-tile counter n gives the stage (n % 2) and each barrier's parity. Only
 // the loaders walk the q tiles (bwd::next_q_tile, a chain of dependent global loads): thread 0
 // writes each tile's record (QTile) beside its stage, and the end as a record past the last
 // tile; the consumers pass each record on to the writer with the tile's dQ. (Three walks, one
-// per role, had each read the transposed index from L1 on their critical paths: NOTES.md §33.)
+// per role, had each read the transposed index from L1 on their critical paths: lab/notes/backward.md#s33.)
 #pragma once
 #include "bwd_wgmma.cuh"
 #include "pipeline.cuh"
@@ -112,7 +112,7 @@ __device__ __forceinline__ void publish(u32 bar) {
 // The loader threads: kLoadLanes of them (warps 0 and 2 of the producer warpgroup), t their index.
 // One warp, copying chunk by chunk with each address formed in full, issued for longer than the
 // consumers took per q tile (the backward ran at half speed); three warps measured no faster than
-// two (NOTES.md §31).
+// two (lab/notes/backward.md#s31).
 enum : int { kLoadLanes = 64 };
 
 template <class C, bool kDeterministic, class P>
@@ -160,7 +160,7 @@ __device__ __forceinline__ void load_warp(const P& p, const P& maps, const Layou
       bwd_wgmma::load_bits_async<C>(sm.bits + (s * kBr + t) * S::kBitsRowBytes, p, tile, pidx, kv0, t);
     }
     // The next q tile's walk (a chain of dependent global loads) while these copies are in flight:
-    // 6-8 % faster than walking after the publish (NOTES.md §31).
+    // 6-8 % faster than walking after the publish (lab/notes/backward.md#s31).
     const QTile next = bwd::next_q_tile<C>(p, batch, hk, kv0, tile.g, tile.slot, tile.tile + 1, false);
     if (!kv_published) {
       publish(sm.kv_full());

@@ -48,7 +48,7 @@ __device__ __forceinline__ float2 load_partial2(const float* p) {
 //
 // Written for memory latency, not arithmetic: every load's address is known up front and no
 // branch waits for a loaded value, so the loads of many splits are in flight together (the fused
-// tail used to wait one L2 round trip per split: 16 splits took ~5 µs, NOTES.md §35).
+// tail used to wait one L2 round trip per split: 16 splits took ~5 µs, lab/notes/decode.md#s35).
 //   1. The rows of the first kBatch splits are requested first; while they travel, lane l reads
 //      (m, l) of splits l, l + 32, ... and the warp merges the lanes' running (max, sum) into M
 //      and sum_s w_s l_s.

@@ -181,7 +181,7 @@ __device__ __forceinline__ void forward(const Params& params) {
   constexpr int kBc = Cfg::kBc, kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
   constexpr int kPVSteps = G::kPVSteps, kWarpRows = S::kWarpRows;
   constexpr bool kOverlap = Cfg::kOverlap, kPingPong = Cfg::kPingPong, kPersistent = S::kPersistent;
-  // A by-value copy for every scalar field (NOTES.md §11); the tensor maps are read by TMA from
+  // A by-value copy for every scalar field (lab/notes/host-path.md#s11); the tensor maps are read by TMA from
   // `params` itself.
   const Params p = params;
   extern __shared__ __align__(1024) unsigned char smem_raw[];

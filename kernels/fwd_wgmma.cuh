@@ -9,7 +9,7 @@
 // Software pipeline (one barrier per tile, Cfg::kOverlap): tile j issues S_j = Q K_jᵀ and
 // O += P_{j-1} V_{j-1} back to back, waits only for S_j, and runs the mask and softmax of tile j
 // while the tensor cores still work on P_{j-1} V_{j-1}. Meanwhile K_{j+1} and V_j stream in.
-// Without it (fewer live registers: measured faster at head_dim 128, NOTES.md §9), tile by tile.
+// Without it (fewer live registers: measured faster at head_dim 128, lab/notes/forward.md#s9), tile by tile.
 //
 // Plain CUDA templated on the variant's Cfg (templates/fwd_config.cu.jinja); the template renders
 // constants and the entry point (templates/attention_fwd_sm90.cu.jinja).
@@ -36,7 +36,7 @@ struct Shape {
     kAccRegs = Cfg::kBc / 2 + Cfg::kHeadDim / 2 + Cfg::kBc / 4,
     // Two CTAs per SM when the accumulators leave room for them in 128 registers; a one-warpgroup
     // CTA whose accumulators fit 128 registers is held to 168, three per SM (the D = 64 tile
-    // measured best at three, NOTES.md §10; left to ptxas it lands at 166-172 depending on
+    // measured best at three, lab/notes/forward.md#s10; left to ptxas it lands at 166-172 depending on
     // unrelated code).
     kCtasPerSm = kAccRegs <= 80 ? 2 : (kThreads == 128 && kAccRegs <= 128 ? 3 : 1),
   };
@@ -125,7 +125,7 @@ __device__ __forceinline__ void forward(const Params& params) {
 
   // This thread's chunk of row 0 of each operand (load_tile_async adds the rows). Adding the
   // chunk here, once, rather than in load_tile_async measured 17 % faster on the D = 64 masks
-  // (NOTES.md §10; the SASS difference behind it was not analysed).
+  // (lab/notes/forward.md#s10; the SASS difference behind it was not analysed).
   const T* q_bh = p.q + batch * p.q_sb + head * p.q_sh + src_chunk * 8;
   const T* k_bh = p.k + batch * p.k_sb + (head / p.kv_group) * p.k_sh + src_chunk * 8;
   const T* v_bh = p.v + batch * p.v_sb + (head / p.kv_group) * p.v_sh + src_chunk * 8;

@@ -38,7 +38,7 @@ __device__ __forceinline__ void cp_async_8(u32 dst, const void* src) {
 // The same copy with a 128-byte L2 prefetch hint (.L2::128B): a miss brings in the copy's whole
 // 128-byte line at once, so a warp's 16-byte requests over consecutive rows reach DRAM as whole
 // lines. For streams read once (the decode's K and V): +2-3 % of K+V bandwidth on the H200 over
-// the plain copy, and 1-2 % over .L2::256B (NOTES.md §20). A hint: it never faults, whatever the
+// the plain copy, and 1-2 % over .L2::256B (lab/notes/sessions.md#s20). A hint: it never faults, whatever the
 // line holds beyond the 16 bytes.
 __device__ __forceinline__ void cp_async_16_stream(u32 dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;

@@ -10,7 +10,7 @@ documents, where the heavy tiles are the ends of long documents, the order comes
 Persistent CTAs (the tma family) take their tiles from a list instead of the hardware's dynamic
 dispatch. Handing them out round robin (grid stride) is exact when every tile costs the same, but
 for causal masks it left the busiest CTA 11 % above the mean and ran 3 % slower than one CTA per
-tile (NOTES.md §16). ``cta_tile_lists`` balances them on the host with the mask's work estimates
+tile (lab/notes/forward.md#s16). ``cta_tile_lists`` balances them on the host with the mask's work estimates
 (longest processing time first).
 """
 from __future__ import annotations

@@ -28,12 +28,12 @@ from .variant import SUPPORTED_HEAD_DIMS, Variant, check_head_dim, tile_head_dim
 
 
 #: Head dims for which OMNICUPY_MMA=auto picks the tma family on sm_90: only where it measured
-#: faster than the wgmma family (NOTES.md §12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
+#: faster than the wgmma family (lab/notes/forward.md#s12: D = 128 +24/+41 %, D = 256 +34/+28 % full/causal);
 #: at D = 64 it measured 3-5 % slower before its CTAs were persistent (§12), and now wins only on
 #: masks with CAUSAL blocks (TMA_AUTO_CAUSAL_HEAD_DIMS below).
 TMA_AUTO_HEAD_DIMS: frozenset[int] = frozenset({128, 256})
 #: Head dims for which auto picks the tma family only for masks with CAUSAL blocks and no per-score
-#: work or fused mask expression. D = 64, measured on the H200 (NOTES.md §24, benchmarks.run, fp16,
+#: work or fused mask expression. D = 64, measured on the H200 (lab/notes/forward.md#s24, benchmarks.run, fp16,
 #: N = 8192, two rounds each): causal +6-9 %, prefix-LM +4-5 %, interleaved +7 %, sliding window and
 #: documents -1 to -1.5 % (noise level); without CAUSAL blocks the wgmma family stays: random block
 #: masks -6 % on tma, full attention within the noise.

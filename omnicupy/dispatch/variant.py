@@ -111,7 +111,7 @@ class Variant:
     #: loads zero-fill the 16-byte chunks past it, stores skip them); None when they are equal.
     head_dim_valid: Optional[int] = None
     #: backward (mma.sync) only: q parts of each q tile (kernels/bwd_kv_tile.cuh kQSplit; 2: two
-    #: sets of warps take half of its columns each, bwd_parts_error, NOTES.md §40).
+    #: sets of warps take half of its columns each, bwd_parts_error, lab/notes/backward.md#s40).
     parts: int = 1
 
     def __post_init__(self) -> None:

@@ -61,7 +61,7 @@ class Machine:
 
 
 #: Assumed figures for lent H200s (to be replaced by the benchmark's measured ones): forward near
-#: the project's single-GPU rates at D = 128 (BENCHMARKS.md), NCCL send/recv at 200 GB/s over
+#: the project's single-GPU rates at D = 128 (docs/performance.md), NCCL send/recv at 200 GB/s over
 #: NVLink (the all-reduce bus bandwidth measured 230-300 GB/s), 400 Gb/s InfiniBand per GPU.
 H200_NVLINK_IB = Machine("8x H200 per NVLink host, ~50 GB/s per GPU between hosts",
                          forward_tflops=450.0, backward_tflops=380.0, nvlink_gbs=200.0, network_gbs=50.0,

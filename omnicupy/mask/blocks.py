@@ -55,7 +55,7 @@ def block_hashes(packed: Any, xp: Any = np):
     multipliers = _multiplier_table(words.shape[1]).on(words)
     if isinstance(words, np.ndarray):
         # NumPy's einsum casts through small buffers: no [K, qbs * W] uint64 temporary, whose fresh
-        # pages can cost more than the arithmetic (NOTES.md §19: 1.3 MiB and up to 1.1 ms at 324 blocks).
+        # pages can cost more than the arithmetic (lab/notes/masks.md#s19: 1.3 MiB and up to 1.1 ms at 324 blocks).
         return np.einsum("kw,w->k", words, multipliers)
     words = words.astype(np.uint64)
     words *= multipliers

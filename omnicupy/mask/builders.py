@@ -60,7 +60,7 @@ from .build_pass import (CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS, GROUP_CUT_BLOCKS
 #: ``BlockMask.causal`` computes them, with the layout of the structured path, up to this many
 #: slots of the [nQB, nKVB] grid (N = 16384 at blocks of 128). Past it the arrays themselves cost
 #: more than the structured path's work: fresh pages on the host, the upload on a device, where
-#: the layout kernel writes them instead (NOTES.md §19).
+#: the layout kernel writes them instead (lab/notes/masks.md#s19).
 CAUSAL_ROWS_MAX_SLOTS = 1 << 14
 
 def _is_causal(mask_mod: MaskMod) -> bool:

@@ -32,7 +32,7 @@ BoundsFn = Callable[[Any, Any, Any], tuple]
 #: working memory (a few int64 arrays of this many elements) whatever N is.
 BOUNDS_ELEMENTS_PER_CHUNK = 1 << 21
 #: Builds take a MaskMod's pieces from this many q blocks on; below it the row path. On the lent
-#: H200 (NOTES.md §17) pieces were 1.4-1.9x faster at 1024 q blocks (N = 131072) and 1.3-1.8x
+#: H200 (lab/notes/masks.md#s17) pieces were 1.4-1.9x faster at 1024 q blocks (N = 131072) and 1.3-1.8x
 #: slower at 64 (N = 8192), where the rows are few and the pieces' extra NumPy calls dominate.
 PIECES_FROM_Q_BLOCKS = 256
 

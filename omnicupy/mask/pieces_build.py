@@ -1,7 +1,7 @@
 """A BlockMask from exact row bounds given by pieces, built on the device in two kernels.
 
 The host path (builders.py, from a MaskMod's windows) does O(q blocks + cut blocks) NumPy work:
-some hundred NumPy calls whatever N is, which is most of a build at N = 8192 and 131072 (NOTES.md
+some hundred NumPy calls whatever N is, which is most of a build at N = 8192 and 131072 (lab/notes
 §17, §22, §36). Here the device does that work (templates/mask_pieces.cu.jinja, one CTA per q block):
 
 1. ``pieces_scan``: each q block finds its window of kv blocks from its rows' bounds, types the

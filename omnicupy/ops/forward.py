@@ -266,7 +266,7 @@ def attention(
     comes last. With ``fuse_mask=True``, when the BlockMask's mask_mod carries a CUDA expression
     (simple built-in masks, omnicupy.cuda_mask), PARTIAL blocks evaluate it in the kernel instead of
     loading the stored bits; the output is bit-identical. Stored bits are the default because they
-    measured faster (NOTES.md, "Fused mask expressions").
+    measured faster (lab/notes, "Fused mask expressions").
 
     Few query rows per kv head (decode, speculative verification: GQA group x Nq <= 64) run the
     split-KV decode kernel (ops/decode.py), which splits each sequence's keys across CTAs and merges

@@ -48,7 +48,7 @@ def bwd_dq_row_warps(warps: int, br: int, d_out: int) -> int:
     its ``d_out`` columns in whole n16 pairs): as many as divide the warps and the q tile's m16
     tiles (one m16 tile per warp where they can), except at 128 columns on 8 warps, where a warp
     reading (rows + columns) x bc elements of dSᵀ and K reads least on the squarest split (32 x 32
-    on BwdTile(64, 128, 8): 2-3 % faster on the H200, NOTES.md §40; at D = 64 the same rule
+    on BwdTile(64, 128, 8): 2-3 % faster on the H200, lab/notes/backward.md#s40; at D = 64 the same rule
     measured a tie, and on 4 warps it made the D = 256 tile spill). 0 if no split divides."""
     valid = [r for r in (1, 2, 4, 8, 16) if r <= warps and warps % r == 0 and (br // 16) % r == 0
              and (d_out // (warps // r)) % 16 == 0]
@@ -96,7 +96,7 @@ class BwdTile:
 
 #: head_dim -> backward tile. D = 64 and 128 measured on the lent H200 (benchmarks/tune_backward.py,
 #: N = 8192, full and causal): 128 kv rows per CTA on 8 warps beat 64 on 4 by 1.3-1.6x (half the
-#: dQ atomics per q tile), and two q parts beat one by 1.07-1.14x (NOTES.md §40). 32 and 96 follow
+#: dQ atomics per q tile), and two q parts beat one by 1.07-1.14x (lab/notes/backward.md#s40). 32 and 96 follow
 #: 64 and 128 untimed (with one part); D = 256 runs as two column passes of 128 with the smaller
 #: tile its registers allow.
 BACKWARD_TILES: dict[int, BwdTile] = {
@@ -104,7 +104,7 @@ BACKWARD_TILES: dict[int, BwdTile] = {
     128: BwdTile(64, 128, 8, parts=2), 256: BwdTile(32, 64, 4),
 }
 #: With a bias or score modifier (more registers per score: 32-row q tiles at D = 128; one q part,
-#: as two spilled or ran 7-15 % slower with them, NOTES.md §40).
+#: as two spilled or ran 7-15 % slower with them, lab/notes/backward.md#s40).
 BACKWARD_FEATURE_TILES: dict[int, BwdTile] = {
     32: BwdTile(64, 128, 8), 64: BwdTile(64, 128, 8), 96: BwdTile(64, 128, 8), 128: BwdTile(32, 128, 8),
     256: BwdTile(32, 64, 4),

@@ -22,18 +22,18 @@ WGMMA_BWD_HEAD_DIMS = (64, 128)
 #: head_dim -> tile, q tiles of 64 rows. D = 64: one consumer warpgroup owning 64 kv rows, three
 #: CTAs per SM. D = 128: the warp-specialized kernel, 12 warps: two consumer warpgroups owning 128
 #: kv rows and a producer warpgroup that loads Q/dO and adds dQ. Measured on the H200 against
-#: BwdTile(64, 64, 4) (NOTES.md §31, B = 2, H = 16, N = 8192, one process): 1.14x on full,
+#: BwdTile(64, 64, 4) (lab/notes/backward.md#s31, B = 2, H = 16, N = 8192, one process): 1.14x on full,
 #: 1.10x on causal, 1.0-1.03x on document and random blocks; 1.33-1.54x in deterministic mode.
 #: BwdTile(64, 128, 8) (two warpgroups, no producer) also builds.
 WGMMA_BACKWARD_TILES: dict[int, BwdTile] = {64: BwdTile(64, 64, 4), 128: BwdTile(64, 128, 12)}
 #: Head dims for which OMNICUPY_BWD=auto picks the wgmma backward on sm_90. Measured on the H200
-#: (BENCHMARKS.md, fp16, B = 2, H = 16, N = 8192, 8 masks): 1.26-1.43x the mma.sync backward at
+#: (docs/performance.md, fp16, B = 2, H = 16, N = 8192, 8 masks): 1.26-1.43x the mma.sync backward at
 #: D = 64 and 1.24-1.34x at D = 128, on every mask.
 WGMMA_BWD_AUTO_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 #: For kv blocks the tuned tile does not divide (64-row kv blocks at D = 128), and for calls with a
 #: bias: its loads on top of the warp-specialized consumers' 224 registers spilled 196-292 bytes
 #: (unmeasured on a GPU), so those keep the plain kernel. Score modifiers spill too and still
-#: measured 1.12-1.17x faster on the warp-specialized kernel (soft-cap, ALiBi; NOTES.md §31).
+#: measured 1.12-1.17x faster on the warp-specialized kernel (soft-cap, ALiBi; lab/notes/backward.md#s31).
 WGMMA_BACKWARD_FALLBACK = BwdTile(64, 64, 4)
 
 

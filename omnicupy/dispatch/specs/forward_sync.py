@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..variant import Variant
 
 #: (head_dim, stages) -> tuned tile. Chosen by benchmarks/tune_tiles.py on the lent H100/H200;
-#: see NOTES.md for the measurements behind each entry.
+#: see lab/notes for the measurements behind each entry.
 TUNED: dict[tuple[int, int], Tile] = {
     (32, 1): Tile(128, 64, 4), (32, 2): Tile(128, 64, 4),
     (64, 1): Tile(64, 128, 4), (64, 2): Tile(128, 128, 4),

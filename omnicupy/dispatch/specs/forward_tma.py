@@ -27,7 +27,7 @@ TMA_BARRIER_BYTES = 128
 #: (head_dim, stages) -> tile; warps = one per 16 query rows plus the producer warpgroup's 4.
 #: Two consumer warpgroups (128 query rows) with 240 registers each, one CTA per SM. The plain
 #: pipeline: at D = 64 the three pipelines measured equal, at D = 128 and 256 plain was fastest on
-#: full attention and within 1 % of the others on causal (NOTES.md §12).
+#: full attention and within 1 % of the others on causal (lab/notes/forward.md#s12).
 TMA_TUNED: dict[tuple[int, int], Tile] = {
     (64, 2): Tile(128, 128, 12),
     (128, 2): Tile(128, 128, 12),
@@ -48,7 +48,7 @@ class RuleTile:
 #: tma tiles for the built-in rule masks (BlockMask.rule: full attention, top-left causal), which
 #: the planner re-blocks to the tile's height (builders.reblocked): three consumer warpgroups of 64
 #: rows on 192-row q blocks, consumers at 160 registers; (head_dim, stages, rule) -> RuleTile.
-#: Same-process A/B against the tuned 128-row tile on the H200 (NOTES.md §30; fp16, H 16, B x N =
+#: Same-process A/B against the tuned 128-row tile on the H200 (lab/notes/forward.md#s30; fp16, H 16, B x N =
 #: 16k tokens, N 1024..16384, three rounds): D = 64 full +7 % (N 1024) to +23 %, D = 64 causal
 #: -10 % at N 1024 and +4..+16 % from 2048 on; D = 128 (persistent through unpadded staging rows,
 #: Variant.staging_swizzled) full even at 1024 and +3..+7 % (medians) from 2048 on, causal -14 % at
@@ -63,7 +63,7 @@ TMA_RULE_TILES: dict[tuple[int, int, str], RuleTile] = {
 }
 #: tma tiles for masks whose q blocks are a multiple of 192 rows however they were built (a caller
 #: passes q_block_size=192 to a builder): the rule tiles' three consumer warpgroups, at any length.
-#: Measured on the H200 (NOTES.md §30, call 10, N = 8192): the benchmark's structured masks built
+#: Measured on the H200 (lab/notes/forward.md#s30, call 10, N = 8192): the benchmark's structured masks built
 #: at 192-row blocks on this tile against the same masks at 128-row blocks on the tuned path:
 #: D = 64 +3..+16 %, D = 128 0..+11 % (random blocks drawn on a 128-row grid lose at 192-row
 #: blocks: most of their blocks turn PARTIAL). Same conditions as the rule tiles.

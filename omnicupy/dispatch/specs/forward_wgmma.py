@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..variant import Variant
 
 #: (head_dim, stages) -> tile, one warpgroup per 64 query rows. Chosen by benchmarks/tune_masks.py
-#: and tune_tiles.py on the lent H200 (NOTES.md §9, §10). At head_dim 64 one warpgroup per CTA
+#: and tune_tiles.py on the lent H200 (lab/notes/forward.md#s9, lab/notes/forward.md#s10). At head_dim 64 one warpgroup per CTA
 #: (three CTAs per SM, no barrier shared between warpgroups) beat two per CTA on every mask. The
 #: family double-buffers K and V, so it has no kStage 1: stages=1 selects the mma.sync kernel.
 WGMMA_TUNED: dict[tuple[int, int], Tile] = {
