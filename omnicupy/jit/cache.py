@@ -54,7 +54,9 @@ import filelock
 from ..errors import CacheError
 from . import files
 
-CACHE_FORMAT = 2
+#: Bumped on purpose when the kernels' headers or the compile path change as a whole (3: the kernel
+#: slots and NVRTC through cuda.bindings, 0.2.0): old entries are left in v<old>/ and recompiled once.
+CACHE_FORMAT = 3
 BINARY_SUFFIX = ".cubin"
 META_SUFFIX = ".json"
 SOURCE_SUFFIX = ".cu"

@@ -12,7 +12,7 @@ import pytest
 
 from omnicupy import BlockMask, arrays, masks
 from omnicupy.dispatch import schedule
-from omnicupy.mask import blocks, builders, kernels, layout, pieces_build
+from omnicupy.mask import blocks, build_pass, builders, compile_mask, kernels, layout, pieces_build
 
 from mask_cases import MASK_CASES, random_lengths
 
@@ -206,7 +206,8 @@ def test_caller_cupy_arrays_do_not_reach_the_mask():
 def test_compiles_at_first_use_are_said_once(tmp_cache, monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_ready", set())
     monkeypatch.setattr(kernels, "_compiled_once", False)
-    monkeypatch.setattr(builders, "_said_cupy_compiles", False)
+    monkeypatch.setattr(build_pass, "_said_cupy_compiles", False)  # where the evaluating build pass says it
+    monkeypatch.setattr(compile_mask, "ENABLED", False)  # the lambdas evaluated with CuPy, not translated
     from omnicupy import jit
 
     monkeypatch.setattr(jit, "_loaded", {})
