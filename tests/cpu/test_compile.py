@@ -130,7 +130,11 @@ def fresh_nvrtc():
 def test_missing_nvrtc_bindings_are_a_compile_error_naming_them(monkeypatch, fresh_nvrtc):
     import sys
 
+    bindings = pytest.importorskip("cuda.bindings")
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # import fails
+    # once imported anywhere, the submodule is also an attribute of its package, which
+    # `from cuda.bindings import nvrtc` reads before sys.modules
+    monkeypatch.delattr(bindings, "nvrtc", raising=False)
     with pytest.raises(CompileError, match="cuda.bindings.nvrtc"):
         compiler.nvrtc_version()
 
