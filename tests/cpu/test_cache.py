@@ -458,14 +458,15 @@ def _format1_entry(folder: Path, stem: str) -> None:
 def test_clear_removes_only_what_omnicupy_wrote(tmp_path):
     root = tmp_path / "cache"
     cache = DiskCache(root)
+    assert cache_module.CACHE_FORMAT not in (1, 5, 7, 8, 9)  # the other folders below are not ours
     cache.store(STEM, DATA, {})
     (cache.dir / "notes.txt").write_text("mine")  # not a name of ours, even in our folder
     (root / "settings.json").write_text('{"mine": true}')  # the root's own files are never ours
     (root / "v1").mkdir()
     _format1_entry(root / "v1", "old_kernel-sm_80-0123456789abcdef")  # an older omnicupy's folder: goes
-    (root / "v3").mkdir()
-    _format1_entry(root / "v3", "old_kernel-sm_80-0123456789abcdef")
-    (root / "v3" / "photo.jpg").write_bytes(b"mine")  # mixed: stays whole
+    (root / "v5").mkdir()
+    _format1_entry(root / "v5", "old_kernel-sm_80-0123456789abcdef")
+    (root / "v5" / "photo.jpg").write_bytes(b"mine")  # mixed: stays whole
     (root / "v7").mkdir()
     (root / "v7" / "data.json").write_text("[1, 2, 3]")  # somebody's v<digits> folder: stays
     (root / "v8").mkdir()
@@ -476,11 +477,11 @@ def test_clear_removes_only_what_omnicupy_wrote(tmp_path):
     cache.remove_leftovers()
     assert cache.remove_other_formats() == 1
     assert not (root / "v1").exists()
-    for survivor in ("settings.json", "v3/photo.jpg", "v3/old_kernel-sm_80-0123456789abcdef.json", "v7/data.json",
+    for survivor in ("settings.json", "v5/photo.jpg", "v5/old_kernel-sm_80-0123456789abcdef.json", "v7/data.json",
                      "v8/k-sm_80-0123456789abcdef.cubin", "v9"):
         assert os.path.lexists(root / survivor), survivor
     assert (cache.dir / "notes.txt").read_text() == "mine"
-    assert [p.name for p in cache.other_formats()] == ["v3", "v7", "v8"]
+    assert [p.name for p in cache.other_formats()] == ["v5", "v7", "v8"]
 
 
 @pytest.mark.parametrize("step", ["ensure_ready", "load"])
