@@ -46,6 +46,16 @@ def _shards(plan, *arrays):
     return [[sharding.shard(x, plan, r) for r in range(plan.world_size)] for x in arrays]
 
 
+def _kv_message(plan, r, step, k_sh, v_sh):
+    """The K/V rank r computes step ``step`` with: its own at step 0, the received message after,
+    None when nothing arrives at that step."""
+    if step.step == 0:
+        return k_sh[r], v_sh[r]
+    if step.recv is None:
+        return None
+    return cut(plan, step.src, step.step, (k_sh, v_sh))
+
+
 def replay_forward(plan, q, k, v, scale):
     """Every rank's (out, lse) shard, float64."""
     world = plan.world_size
@@ -54,12 +64,10 @@ def replay_forward(plan, q, k, v, scale):
     lses = [np.full(x.shape[:3], -np.inf) for x in q_sh]
     for r in range(world):
         for step in steps.program(plan, r).steps:
-            if step.step == 0:
-                k_msg, v_msg = k_sh[r], v_sh[r]
-            elif step.recv is None:
+            kv = _kv_message(plan, r, step, k_sh, v_sh)
+            if kv is None:
                 continue
-            else:
-                k_msg, v_msg = cut(plan, step.src, step.step, (k_sh, v_sh))
+            k_msg, v_msg = kv
             for part in step.parts:
                 rows = slice(part.q_start, part.q_start + part.q_len)
                 o, l_ = reference.attention(q_sh[r][:, :, rows], k_msg, v_msg, part.mask.to_dense(), scale=scale,
@@ -93,12 +101,10 @@ def replay_backward(plan, q, k, v, dout, out, lse, scale):
                 dv[r] += g_v
                 for own, at, n in steps.program(plan, step.src).steps[step.step].q_send.runs:
                     dq[step.src][:, :, own:own + n] += g_q[:, :, at:at + n]
-            if step.step == 0:
-                k_msg, v_msg = k_sh[r], v_sh[r]
-            elif step.recv is None:
+            kv = _kv_message(plan, r, step, k_sh, v_sh)
+            if kv is None:
                 continue
-            else:
-                k_msg, v_msg = cut(plan, step.src, step.step, (k_sh, v_sh))
+            k_msg, v_msg = kv
             for part in step.parts:
                 rows = slice(part.q_start, part.q_start + part.q_len)
                 g_q, g_k, g_v = pair_backward(q_sh[r][:, :, rows], k_msg, v_msg, do_sh[r][:, :, rows],
