@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
-from ..jit import MIN_ARCH, env
-from ..jit.compiler import arch_number, normalize_arch
+from ..jit import env
 from ..errors import ArgumentError, InternalError
 
 log = logging.getLogger("omnicupy.cli")
@@ -18,8 +17,6 @@ NO_GPU_ARCHS = ("sm_80", "sm_90")
 #: Parallel compiles by default: one per CPU, at most this many (polite on shared login nodes; a
 #: compile peaks near 150 MB).
 MAX_DEFAULT_JOBS = 8
-#: The only arch-specific target the kernels have: Hopper's wgmma family.
-ARCH_SPECIFIC = ("sm_90a",)
 
 
 class UsageError(ArgumentError):
@@ -43,28 +40,6 @@ def comma_list(convert: Callable, allowed: Sequence, what: str) -> Callable[[str
         return tuple(values)
 
     return parse
-
-
-def arch_list(text: str) -> Optional[tuple[str, ...]]:
-    """'auto' -> None (decide at run time); 'sm_80,90,sm_90a' -> ('sm_80', 'sm_90', 'sm_90a')."""
-    if text.strip().lower() == "auto":
-        return None
-    archs = []
-    for item in (t.strip() for t in text.split(",")):
-        try:
-            arch = normalize_arch(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"arch {item!r} is not 'auto' or of the form sm_80, sm_90, sm_90a") from None
-        if arch_number(arch) < MIN_ARCH:
-            raise argparse.ArgumentTypeError(
-                f"arch {arch}: the kernels need sm_{MIN_ARCH} or newer (mma.sync, cp.async)")
-        if arch.endswith("a") and arch not in ARCH_SPECIFIC:
-            raise argparse.ArgumentTypeError(f"arch {arch}: the only arch-specific target is sm_90a (Hopper's wgmma "
-                                             f"kernels); use {arch[:-1]}")
-        if arch not in archs:
-            archs.append(arch)
-    return tuple(archs)
 
 
 def positive_int(text: str) -> int:

@@ -32,29 +32,22 @@ the check that blocks with equal hashes are equal.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
-import warnings
-import weakref
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from .. import arrays
 from ..errors import MaskError
-from . import blocks, compile_mask, evaluate, pieces_build, zoo
+from . import blocks, compile_mask, evaluate, pieces_build, zoo  # noqa: F401 - blocks: read as builders.blocks
 from .block_mask import BlockMask, MaskSummary, RowRuns, _as_index_array, _check_positive_int, check_sizes
-from .evaluate import BroadcastFailure, ScalarEvaluator
-from .kernels import Backend, backend_for, precompile_specs
-from .layout import Items, device_table, items_from_runs, segments_of, summary_of, write_host
-from .mask_mod import CAUSAL, EVALUATE, FULL, MASKED, MaskMod, check_mask_mod, name_of
-from .patterns import PatternPool, cut_blocks
-from .pieces import BlockPieces, group_cut_blocks
-from .types import PARTIAL_WORD_BITS, BlockType, MaskFeatures, cdiv
+from .kernels import backend_for, precompile_specs  # noqa: F401 - read as builders.* by tests and tools
+from .layout import items_from_runs
+from .mask_mod import EVALUATE, FULL, MaskMod, check_mask_mod, name_of
+from .types import BlockType, MaskFeatures, cdiv
 
-from .build_pass import (CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS, GROUP_CUT_BLOCKS_FROM,  # noqa: F401
-                         PARTIAL, _Build, _causal_counts, _causal_summary, _evaluation_module,
-                         _is_known_elementwise, default_array_module, logger)
+from .build_pass import (CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS,  # noqa: F401 - read by benchmarks/bench_masks.py
+                         _Build, _causal_counts, _causal_summary, _evaluation_module,  # noqa: F401
+                         default_array_module, logger)
 
 #: Causal rows (a MaskMod whose exact bounds are ``[0, q_idx + 1)``) are written arithmetically, as
 #: ``BlockMask.causal`` computes them, with the layout of the structured path, up to this many
