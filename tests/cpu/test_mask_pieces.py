@@ -11,7 +11,7 @@ import pytest
 from omnicupy import masks
 from omnicupy.errors import MaskError
 from omnicupy import BlockMask
-from omnicupy.mask import builders, kernels, layout, mask_mod, pieces, pieces_build
+from omnicupy.mask import build_pass, builders, kernels, layout, mask_mod, pieces, pieces_build
 from omnicupy.reference import dense_mask_from_mod
 
 from mask_cases import HOST_AS_DEVICE, MASK_CASES, alternating_segments, random_lengths
@@ -42,7 +42,7 @@ PIECES_FROM_Q_BLOCKS = mask_mod.PIECES_FROM_Q_BLOCKS  # the default, before the 
 def always_grouped(monkeypatch):
     """Build from pieces and group cut blocks by key however few the q blocks and cut blocks (the
     other test files build with the defaults)."""
-    monkeypatch.setattr(builders, "GROUP_CUT_BLOCKS_FROM", 0)
+    monkeypatch.setattr(build_pass, "GROUP_CUT_BLOCKS_FROM", 0)  # read by the build pass (since the builders split)
     monkeypatch.setattr(mask_mod, "PIECES_FROM_Q_BLOCKS", 0)
 
 
